@@ -1,0 +1,70 @@
+//! The client library's error type. Every error carries the gRPC code that best describes it, so a
+//! caller can react the same way to a failure reported by the daemon and one found locally.
+
+use kvmm_kernels::KernelError;
+use kvmm_shm::ShmError;
+use tonic::Code;
+
+/// A failure of a client operation.
+#[derive(thiserror::Error, Debug)]
+pub enum Error {
+    /// The daemon could not be reached.
+    #[error("cannot connect to kvmmd at {path}: {source}; is kvmmd running, and is this the right socket?")]
+    Connect {
+        /// The socket path.
+        path: String,
+        /// The transport failure.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The daemon refused or failed a request; its message says why.
+    #[error("kvmmd: {}", .0.message())]
+    Rpc(#[from] tonic::Status),
+    /// The daemon refused to hand out the session's memfds.
+    #[error("kvmmd refused the memfds: {message}")]
+    FdRefused {
+        /// gRPC code of the refusal.
+        code: Code,
+        /// The daemon's sentence.
+        message: String,
+    },
+    /// A local argument check failed before anything was sent.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The session is not in a state that allows the call.
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// The daemon sent something this library does not accept.
+    #[error("kvmmd sent an unexpected reply: {0}")]
+    Protocol(String),
+    /// A shared-memory operation failed.
+    #[error(transparent)]
+    Shm(#[from] ShmError),
+    /// An attention kernel rejected its input.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// A local I/O failure (runtime creation, the fd socket).
+    #[error("{what}: {source}")]
+    Io {
+        /// What the library was doing.
+        what: &'static str,
+        /// The failure.
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// The gRPC code that describes this error.
+    pub fn code(&self) -> Code {
+        match self {
+            Error::Connect { .. } => Code::Unavailable,
+            Error::Rpc(s) => s.code(),
+            Error::FdRefused { code, .. } => *code,
+            Error::InvalidArgument(_) | Error::Kernel(_) => Code::InvalidArgument,
+            Error::FailedPrecondition(_) => Code::FailedPrecondition,
+            Error::Protocol(_) | Error::Shm(_) | Error::Io { .. } => Code::Internal,
+        }
+    }
+}
+
+/// Result alias for client operations.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,541 @@
+//! A session: one sequence's KV cache in kvmmd, mapped into this process.
+//!
+//! After `Attach`, the session fetches its memfds over the fd socket and maps the trust domain's arena
+//! (read-write), its session table (read-only) and its client region (read-write). Appending writes
+//! K/V rows straight into the tail page in the arena and publishes the page's token count with
+//! Release; attention pins every page of a layer (one fence for all of them), runs the fused kernel
+//! over the pages in place, and unpins. A page is pinned whenever this process reads or writes it,
+//! so the daemon never moves it underneath.
+//!
+//! Locations come from the daemon-written table and are bounds-checked against the arena before any
+//! byte is touched.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvmm_kernels::attention::{AttnShape, DecodeAttention, PageView};
+use kvmm_kernels::format::rows::write_rows;
+use kvmm_kernels::{Format, PageShape};
+use kvmm_proto::v1 as pb;
+use kvmm_shm::fdpass::{FdRequest, ReceivedReply, SeqpacketConn};
+use kvmm_shm::protocol;
+use kvmm_shm::{Access, ClientEntry, ClientRegion, Geometry, Mapping, PageLocation, PinOutcome, Seals, SessionTable};
+
+use crate::Inner;
+use crate::error::{Error, Result};
+
+/// Blocks requested per `Extend` unless the caller says otherwise.
+pub const DEFAULT_EXTEND_BATCH: u32 = 4;
+/// How long the fd handshake may take.
+const FD_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pin attempts on a page the daemon is moving before giving up (a move takes microseconds).
+const MAX_PIN_ATTEMPTS: u32 = 1_000_000;
+/// Weight of the newest attention mass in a page's importance EMA.
+const IMPORTANCE_EMA: f32 = 0.1;
+
+/// Scheduling class of a session.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Priority {
+    /// Interactive; demoted last.
+    #[default]
+    Foreground,
+    /// Can wait.
+    Background,
+    /// Bulk; demoted first.
+    Batch,
+}
+
+/// Options for [`crate::Client::attach_with`].
+#[derive(Clone, Debug)]
+pub struct AttachOptions {
+    /// Free-text model id shown in stats.
+    pub model_id: String,
+    /// Scheduling class.
+    pub priority: Priority,
+    /// Blocks per layer requested by each `Extend` (at least the blocks needed).
+    pub extend_batch: u32,
+}
+
+impl Default for AttachOptions {
+    fn default() -> Self {
+        AttachOptions { model_id: String::new(), priority: Priority::Foreground, extend_batch: DEFAULT_EXTEND_BATCH }
+    }
+}
+
+/// What the daemon reports about a session.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionStats {
+    /// Pages allocated per layer.
+    pub allocated_blocks: u32,
+    /// Tokens published (minimum over layers).
+    pub tokens: u64,
+    /// Device-tier bytes owned.
+    pub device_bytes: u64,
+    /// Pages the daemon moved between frames.
+    pub pages_moved: u64,
+    /// Pages faulted.
+    pub faults: u64,
+}
+
+/// One attached session. Dropping it detaches (the daemon wipes its pages).
+#[derive(Debug)]
+pub struct Session {
+    inner: Arc<Inner>,
+    id: u64,
+    geometry: Geometry,
+    shape: AttnShape,
+    page_shape: PageShape,
+    format: Format,
+    /// The trust domain's arena, read-write (tail pages are written here).
+    arena: Mapping,
+    /// The daemon-written table, mapped read-only.
+    table: SessionTable,
+    /// Pins, token counts and importance, written by this process.
+    region: ClientRegion,
+    /// Tokens appended per layer: this process's own count, never read back from shared memory.
+    tokens: Vec<u32>,
+    /// Blocks allocated per layer, as the last `Extend` reported.
+    allocated_blocks: u32,
+    extend_batch: u32,
+    /// Softmax scale; 1/sqrt(head_dim) by default.
+    scale: f32,
+    /// Reused attention state.
+    attn: Option<DecodeAttention>,
+    /// Per-page attention mass of the last `attention` call.
+    mass: Vec<f32>,
+    detached: bool,
+}
+
+/// Unpins a set of pages when dropped, so an error never leaves a page pinned.
+struct Pins<'a> {
+    entries: Vec<&'a ClientEntry>,
+}
+
+impl Drop for Pins<'_> {
+    fn drop(&mut self) {
+        for e in &self.entries {
+            e.unpin();
+        }
+    }
+}
+
+impl Session {
+    pub(crate) fn attach(inner: Arc<Inner>, geometry: Geometry, options: AttachOptions) -> Result<Session> {
+        geometry.validate().map_err(|e| Error::InvalidArgument(format!("invalid geometry: {e}")))?;
+        let request = pb::AttachRequest {
+            geometry: Some(geometry_to_pb(&geometry)),
+            model_id: options.model_id,
+            priority: match options.priority {
+                Priority::Foreground => pb::Priority::Foreground,
+                Priority::Background => pb::Priority::Background,
+                Priority::Batch => pb::Priority::Batch,
+            } as i32,
+        };
+        let mut rpc = inner.rpc.clone();
+        let granted = inner.runtime.block_on(rpc.attach(request))?.into_inner();
+        // From here on the daemon holds a session: detach it if the handshake fails.
+        match Self::map(&inner, &granted, geometry) {
+            Ok((arena, table, region)) => {
+                let shape = AttnShape {
+                    q_heads: geometry.q_heads as usize,
+                    kv_heads: geometry.kv_heads as usize,
+                    head_dim: geometry.head_dim as usize,
+                    block_tokens: geometry.block_tokens as usize,
+                };
+                Ok(Session {
+                    id: granted.session_id,
+                    geometry,
+                    shape,
+                    page_shape: geometry.page_shape(),
+                    format: geometry.format(),
+                    arena,
+                    table,
+                    region,
+                    tokens: vec![0; geometry.layers as usize],
+                    allocated_blocks: 0,
+                    extend_batch: options.extend_batch.max(1),
+                    scale: 1.0 / (geometry.head_dim as f32).sqrt(),
+                    attn: None,
+                    mass: Vec::new(),
+                    detached: false,
+                    inner,
+                })
+            }
+            Err(e) => {
+                let mut rpc = inner.rpc.clone();
+                let _ = inner.runtime.block_on(rpc.detach(pb::DetachRequest { session_id: granted.session_id }));
+                Err(e)
+            }
+        }
+    }
+
+    /// The fd handshake and the three mappings.
+    fn map(
+        inner: &Inner,
+        granted: &pb::AttachResponse,
+        geometry: Geometry,
+    ) -> Result<(Mapping, SessionTable, ClientRegion)> {
+        let token: [u8; 32] = granted
+            .fd_token
+            .as_slice()
+            .try_into()
+            .map_err(|_| Error::Protocol(format!("fd token of {} bytes, expected 32", granted.fd_token.len())))?;
+        let conn = SeqpacketConn::connect(&inner.fd_socket)?;
+        conn.set_timeouts(FD_TIMEOUT)?;
+        conn.send_request(&FdRequest { session_id: granted.session_id, token })?;
+        match conn.recv_reply()? {
+            ReceivedReply::Refused { code, message } => {
+                Err(Error::FdRefused { code: tonic::Code::from(code as i32), message })
+            }
+            ReceivedReply::Granted(fds) => {
+                let sizes = [
+                    (fds.arena.len(), granted.arena_bytes, "arena"),
+                    (fds.table.len(), granted.table_bytes, "session table"),
+                    (fds.client_region.len(), granted.client_region_bytes, "client region"),
+                ];
+                for (actual, attached, what) in sizes {
+                    if actual != attached {
+                        return Err(Error::Protocol(format!(
+                            "the {what} memfd is {actual} bytes but Attach announced {attached}"
+                        )));
+                    }
+                }
+                // A resizable arena would let another process of this uid make reads fault (SIGBUS).
+                fds.arena.require_seals("arena", Seals::SHRINK | Seals::GROW)?;
+                let arena = Mapping::map(&fds.arena, Access::ReadWrite)?;
+                let table = SessionTable::open(fds.table)?;
+                if table.geometry() != geometry || table.session_id() != granted.session_id {
+                    return Err(Error::Protocol("the session table describes another session".to_owned()));
+                }
+                let region = ClientRegion::open(fds.client_region, &geometry)?;
+                Ok((arena, table, region))
+            }
+        }
+    }
+
+    /// The session id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The geometry.
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    /// Tokens appended to `layer`.
+    pub fn tokens(&self, layer: u32) -> u32 {
+        self.tokens.get(layer as usize).copied().unwrap_or(0)
+    }
+
+    /// Blocks allocated per layer.
+    pub fn allocated_blocks(&self) -> u32 {
+        self.allocated_blocks
+    }
+
+    /// Sets the softmax scale (default 1/sqrt(head_dim)).
+    pub fn set_scale(&mut self, scale: f32) {
+        self.scale = scale;
+    }
+
+    /// Per-page attention mass of the last `attention` call (sums to 1).
+    pub fn last_mass(&self) -> &[f32] {
+        &self.mass
+    }
+
+    fn check_layer(&self, layer: u32) -> Result<()> {
+        if layer >= self.geometry.layers {
+            return Err(Error::InvalidArgument(format!(
+                "layer {layer} is out of range: this session has layers 0..{}",
+                self.geometry.layers
+            )));
+        }
+        Ok(())
+    }
+
+    /// Appends `n` tokens' K and V rows to `layer`. `k` and `v` each hold `n × kv_heads × head_dim`
+    /// floats, token-major (`k[(t * kv_heads + h) * head_dim + d]`); they are stored as the session's
+    /// element type. New pages are requested in batches, never one RPC per token.
+    pub fn append(&mut self, layer: u32, k: &[f32], v: &[f32]) -> Result<()> {
+        self.check_layer(layer)?;
+        let row = (self.geometry.kv_heads * self.geometry.head_dim) as usize;
+        if k.is_empty() || k.len() != v.len() || !k.len().is_multiple_of(row) {
+            return Err(Error::InvalidArgument(format!(
+                "k and v must hold the same whole number of tokens of kv_heads × head_dim = {row} floats; got {} and {}",
+                k.len(),
+                v.len()
+            )));
+        }
+        let n = (k.len() / row) as u64;
+        let have = u64::from(self.tokens[layer as usize]);
+        if have + n > u64::from(self.geometry.max_tokens) {
+            return Err(Error::InvalidArgument(format!(
+                "appending {n} tokens to layer {layer} would make {} tokens, past this session's max_tokens {}",
+                have + n,
+                self.geometry.max_tokens
+            )));
+        }
+        let bt = self.geometry.block_tokens;
+        let mut done = 0usize;
+        while done < n as usize {
+            let t = self.tokens[layer as usize];
+            let (block, slot) = (t / bt, t % bt);
+            let take = ((bt - slot) as usize).min(n as usize - done);
+            if block >= self.allocated_blocks {
+                self.extend_to(block + 1)?;
+            }
+            self.write_pinned(
+                layer,
+                block,
+                slot,
+                &k[done * row..(done + take) * row],
+                &v[done * row..(done + take) * row],
+            )?;
+            self.tokens[layer as usize] += take as u32;
+            done += take;
+        }
+        Ok(())
+    }
+
+    /// Writes rows at `slot` of a pinned page and publishes the page's new token count (Release).
+    fn write_pinned(&self, layer: u32, block: u32, slot: u32, k: &[f32], v: &[f32]) -> Result<()> {
+        let (loc, _pin) = self.pin(layer, block)?;
+        let (offset, len) = self.checked(loc)?;
+        // SAFETY: the page is pinned, so the daemon neither moves nor frees the frame while this
+        // slice lives; this process is the only writer of its session's tail pages, and `_pin`
+        // outlives the slice.
+        let page = unsafe { self.arena.bytes_mut(offset, len)? };
+        write_rows(self.page_shape, self.format, page, slot as usize, k, v)?;
+        let row = self.shape.kv_heads * self.shape.head_dim;
+        self.region.entry(layer, block)?.publish_tokens(slot + (k.len() / row) as u32);
+        Ok(())
+    }
+
+    /// Decode attention for one query token over every page of `layer`. `q` and `out` hold
+    /// `q_heads × head_dim` floats. Pages are read in place, in whatever format each is in.
+    pub fn attention(&mut self, layer: u32, q: &[f32], out: &mut [f32]) -> Result<()> {
+        self.check_layer(layer)?;
+        let want = self.shape.q_heads * self.shape.head_dim;
+        if q.len() != want || out.len() != want {
+            return Err(Error::InvalidArgument(format!(
+                "attention needs q and out of q_heads × head_dim = {} × {} = {want} floats; got q {} and out {}",
+                self.shape.q_heads,
+                self.shape.head_dim,
+                q.len(),
+                out.len()
+            )));
+        }
+        let n = self.tokens[layer as usize];
+        if n == 0 {
+            return Err(Error::FailedPrecondition(format!("layer {layer} has no tokens yet; append before attention")));
+        }
+        let bt = self.geometry.block_tokens;
+        let pages = n.div_ceil(bt);
+        // The scratch state is taken out for the call so the pins can borrow the mappings.
+        let mut attn = match self.attn.take() {
+            Some(mut a) => {
+                a.reset(q, self.scale)?;
+                a
+            }
+            None => DecodeAttention::new(self.shape, q, self.scale)?,
+        };
+        let mut mass = std::mem::take(&mut self.mass);
+        mass.resize(pages as usize, 0.0);
+        let result = self.attend_pinned(layer, pages, n, &mut attn, out, &mut mass);
+        self.attn = Some(attn);
+        self.mass = mass;
+        result?;
+        for (block, &m) in self.mass.iter().enumerate() {
+            let e = self.region.entry(layer, block as u32)?;
+            e.set_importance((1.0 - IMPORTANCE_EMA) * e.importance() + IMPORTANCE_EMA * m);
+        }
+        Ok(())
+    }
+
+    /// Pins the layer's pages, feeds them to the kernel, writes the output, and unpins.
+    fn attend_pinned(
+        &self,
+        layer: u32,
+        pages: u32,
+        tokens: u32,
+        attn: &mut DecodeAttention,
+        out: &mut [f32],
+        mass: &mut [f32],
+    ) -> Result<()> {
+        let bt = self.geometry.block_tokens;
+        let _pins = self.pin_layer(layer, pages)?;
+        for block in 0..pages {
+            let loc = self.table.entry(layer, block)?.location();
+            let (offset, len) = self.checked(loc)?;
+            let format = Format::from_u8(loc.format)
+                .ok_or_else(|| Error::Protocol(format!("page ({layer}, {block}) has unknown format {}", loc.format)))?;
+            // SAFETY: every page of the layer is pinned (`_pins` lives until this function returns,
+            // after the last use of `bytes`), so no frame is moved or freed while it is read; this
+            // thread is the session's only writer and does not write during the call.
+            let bytes = unsafe { self.arena.bytes(offset, len)? };
+            let filled = if block + 1 == pages { tokens - block * bt } else { bt };
+            attn.page(PageView { bytes, format, tokens: filled as usize })?;
+        }
+        attn.write_output(out, mass)?;
+        Ok(())
+    }
+
+    /// Daemon-side statistics of this session.
+    pub fn stats(&self) -> Result<SessionStats> {
+        let mut rpc = self.inner.rpc.clone();
+        let s = self
+            .inner
+            .runtime
+            .block_on(rpc.session_stats(pb::SessionStatsRequest { session_id: self.id }))?
+            .into_inner();
+        Ok(SessionStats {
+            allocated_blocks: s.allocated_blocks,
+            tokens: s.tokens,
+            device_bytes: s.device_bytes,
+            pages_moved: s.pages_moved,
+            faults: s.faults,
+        })
+    }
+
+    /// Detaches now; the daemon wipes the session's pages. Returns the bytes wiped.
+    pub fn detach(mut self) -> Result<u64> {
+        self.detach_inner()
+    }
+
+    fn detach_inner(&mut self) -> Result<u64> {
+        self.detached = true;
+        let mut rpc = self.inner.rpc.clone();
+        let r = self.inner.runtime.block_on(rpc.detach(pb::DetachRequest { session_id: self.id }))?;
+        Ok(r.into_inner().bytes_wiped)
+    }
+
+    /// Asks for enough blocks that `blocks` exist per layer (at least one batch), and pre-faults the
+    /// new pages' frames in this process's mapping.
+    fn extend_to(&mut self, blocks: u32) -> Result<()> {
+        let cap = self.geometry.blocks_per_layer();
+        let want = (blocks - self.allocated_blocks).max(self.extend_batch).min(cap - self.allocated_blocks);
+        let mut rpc = self.inner.rpc.clone();
+        let r = self
+            .inner
+            .runtime
+            .block_on(rpc.extend(pb::ExtendRequest { session_id: self.id, blocks: want }))?
+            .into_inner();
+        let old = self.allocated_blocks;
+        self.allocated_blocks = r.allocated_blocks;
+        self.prefault(old..r.allocated_blocks);
+        Ok(())
+    }
+
+    /// Faults in the frames of new pages, merging neighbouring frames into one call. Advisory: a page
+    /// that moves meanwhile is simply faulted on first touch.
+    fn prefault(&self, blocks: std::ops::Range<u32>) {
+        let mut ranges: Vec<(usize, usize)> = (0..self.geometry.layers)
+            .flat_map(|l| blocks.clone().map(move |b| (l, b)))
+            .filter_map(|(l, b)| self.table.entry(l, b).ok().map(|e| e.location()))
+            .filter_map(|loc| self.checked(loc).ok())
+            .collect();
+        ranges.sort_unstable();
+        let mut merged: Vec<(usize, usize)> = Vec::new();
+        for (off, len) in ranges {
+            match merged.last_mut() {
+                Some((o, l)) if *o + *l + 4096 >= off => *l = (off + len).max(*o + *l) - *o,
+                _ => merged.push((off, len)),
+            }
+        }
+        for (off, len) in merged {
+            let _ = self.arena.populate(off, len, Access::ReadWrite);
+        }
+    }
+
+    /// Pins one page, waiting out a move in progress.
+    fn pin(&self, layer: u32, block: u32) -> Result<(PageLocation, Pins<'_>)> {
+        let page = self.table.entry(layer, block)?;
+        let client = self.region.entry(layer, block)?;
+        for attempt in 0..MAX_PIN_ATTEMPTS {
+            match client.pin(page) {
+                PinOutcome::Pinned { .. } => return Ok((page.location(), Pins { entries: vec![client] })),
+                PinOutcome::Migrating => backoff(attempt),
+                PinOutcome::NotResident => {
+                    return Err(Error::FailedPrecondition(format!(
+                        "page ({layer}, {block}) is not resident; only the device tier exists in this version"
+                    )));
+                }
+            }
+        }
+        Err(Error::FailedPrecondition(format!("page ({layer}, {block}) stayed in migration; is kvmmd stuck?")))
+    }
+
+    /// Pins blocks `0..pages` of `layer`: announce every pin, one fence, then check each; pages caught
+    /// mid-move are retried one by one.
+    fn pin_layer(&self, layer: u32, pages: u32) -> Result<Pins<'_>> {
+        let n = pages as usize;
+        let table = self.table.entries_of_layer(layer)?;
+        let region = self.region.entries_of_layer(layer)?;
+        let (table, region) = (&table[..n.min(table.len())], &region[..n.min(region.len())]);
+        for c in region {
+            c.pin_announce();
+        }
+        protocol::pin_fence();
+        let mut pins = Pins { entries: Vec::with_capacity(n) };
+        let mut retry = Vec::new();
+        for (block, (page, client)) in table.iter().zip(region).enumerate() {
+            match client.pin_check(page) {
+                PinOutcome::Pinned { .. } => pins.entries.push(client),
+                PinOutcome::Migrating | PinOutcome::NotResident => retry.push(block as u32),
+            }
+        }
+        for block in retry {
+            let (_, mut single) = self.pin(layer, block)?;
+            pins.entries.append(&mut single.entries);
+        }
+        Ok(pins)
+    }
+
+    /// Checks a location from the shared table against this session's page format and the arena.
+    fn checked(&self, loc: PageLocation) -> Result<(usize, usize)> {
+        let format = Format::from_u8(loc.format)
+            .ok_or_else(|| Error::Protocol(format!("unknown page format code {}", loc.format)))?;
+        let expect = self.page_shape.page_bytes(format);
+        let (offset, len) = (loc.offset as usize, loc.len as usize);
+        if len != expect || offset.checked_add(len).is_none_or(|end| end > self.arena.len()) {
+            return Err(Error::Protocol(format!(
+                "page location {offset}+{len} does not fit a {expect}-byte page in the {}-byte arena",
+                self.arena.len()
+            )));
+        }
+        Ok((offset, len))
+    }
+}
+
+fn backoff(attempt: u32) {
+    if attempt < 64 {
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
+    }
+}
+
+/// Converts a geometry to the wire.
+pub fn geometry_to_pb(g: &Geometry) -> pb::Geometry {
+    pb::Geometry {
+        layers: g.layers,
+        kv_heads: g.kv_heads,
+        q_heads: g.q_heads,
+        head_dim: g.head_dim,
+        block_tokens: g.block_tokens,
+        element_type: match g.element_type {
+            kvmm_kernels::ElementType::Bf16 => pb::ElementType::Bf16,
+            _ => pb::ElementType::F16,
+        } as i32,
+        max_tokens: g.max_tokens,
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if !self.detached {
+            // The daemon also wipes the session when the connection closes; this makes it prompt.
+            let _ = self.detach_inner();
+        }
+    }
+}

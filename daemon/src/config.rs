@@ -1,0 +1,363 @@
+//! kvmmd's configuration: a TOML file (unknown keys rejected), CLI flags that override it, and embedded
+//! defaults that work with no file at all, as root or as an ordinary user.
+//!
+//! Resolution order for every key: command-line flag, then the file given with `--config`, then the
+//! default. [`Config::resolve`] turns the merged values into a [`Resolved`] configuration with every
+//! path and byte count decided, reading `MemAvailable` and the environment once.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+
+/// Default share of `MemAvailable` given to the device tier when no budget is configured.
+pub const DEFAULT_DEVICE_BUDGET: &str = "25%";
+/// How long an fd token stays valid after `Attach`.
+pub const DEFAULT_FD_TOKEN_TTL_MS: u64 = 10_000;
+/// How often the compactor looks for holes below the arena's high-water mark.
+pub const DEFAULT_COMPACTION_INTERVAL_MS: u64 = 1_000;
+
+/// The configuration file, as written by an operator. Every key is optional.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// Directory for the three sockets and the lock file.
+    pub runtime_dir: Option<PathBuf>,
+    /// Device-tier budget: bytes (`1073741824`), a size with a unit (`512MiB`, `4GiB`, `2G`), or a
+    /// percentage of `MemAvailable` at start-up (`25%`).
+    pub device_budget: Option<ByteSize>,
+    /// Group (name or numeric gid) whose members may use the admin socket besides root.
+    pub admin_group: Option<String>,
+    /// Lifetime of a one-time fd token, in milliseconds.
+    pub fd_token_ttl_ms: Option<u64>,
+    /// Log filter in `tracing` syntax, e.g. `info` or `kvmm_daemon=debug`.
+    pub log: Option<String>,
+    /// Arena compaction.
+    pub compaction: Option<CompactionConfig>,
+}
+
+/// The `[compaction]` table.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct CompactionConfig {
+    /// Milliseconds between compaction passes; 0 disables compaction.
+    pub interval_ms: Option<u64>,
+}
+
+/// A byte count as written in the file or on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ByteSize {
+    /// An exact number of bytes.
+    Bytes(u64),
+    /// Percent (1..=100) of `MemAvailable` at start-up.
+    PercentOfAvailable(u8),
+}
+
+impl ByteSize {
+    /// Parses `123`, `123B`, `64KiB`, `512MiB`, `4GiB`, `1TiB`, `2K`/`2M`/`2G`/`2T` (powers of 1024, as
+    /// memory is counted), or `25%`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let t = text.trim();
+        if let Some(pct) = t.strip_suffix('%') {
+            return match pct.trim().parse::<u8>() {
+                Ok(p @ 1..=100) => Ok(ByteSize::PercentOfAvailable(p)),
+                _ => Err(format!("'{text}' is not a percentage from 1% to 100%")),
+            };
+        }
+        let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+        let (digits, unit) = t.split_at(split);
+        let n: u64 = digits.parse().map_err(|_| {
+            format!("'{text}' is not a size: write bytes, a size like 512MiB or 4GiB, or a percentage like 25%")
+        })?;
+        let shift = match unit.trim() {
+            "" | "B" => 0,
+            "K" | "KiB" | "k" => 10,
+            "M" | "MiB" => 20,
+            "G" | "GiB" => 30,
+            "T" | "TiB" => 40,
+            other => return Err(format!("'{other}' in '{text}' is not a size unit: use B, KiB, MiB, GiB or TiB")),
+        };
+        n.checked_mul(1u64 << shift).map(ByteSize::Bytes).ok_or_else(|| format!("'{text}' is too large"))
+    }
+
+    /// The byte count, given `MemAvailable`.
+    pub fn bytes(self, mem_available: u64) -> u64 {
+        match self {
+            ByteSize::Bytes(n) => n,
+            ByteSize::PercentOfAvailable(p) => mem_available / 100 * u64::from(p),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Int(n) => Ok(ByteSize::Bytes(n)),
+            Raw::Text(s) => ByteSize::parse(&s).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+impl std::str::FromStr for ByteSize {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        ByteSize::parse(s)
+    }
+}
+
+/// Values given on the command line; each overrides the file.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    /// `--runtime-dir`.
+    pub runtime_dir: Option<PathBuf>,
+    /// `--device-budget`.
+    pub device_budget: Option<ByteSize>,
+    /// `--admin-group`.
+    pub admin_group: Option<String>,
+    /// `--fd-token-ttl-ms`.
+    pub fd_token_ttl_ms: Option<u64>,
+    /// `--log`.
+    pub log: Option<String>,
+    /// `--compaction-interval-ms`.
+    pub compaction_interval_ms: Option<u64>,
+    /// `--debug-move-churn`: continuously move random unpinned pages (for tests of the move protocol).
+    pub debug_move_churn: bool,
+}
+
+/// The merged configuration with every value decided.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resolved {
+    /// Directory holding the sockets and the lock file.
+    pub runtime_dir: PathBuf,
+    /// Device-tier budget in bytes.
+    pub device_budget: u64,
+    /// Numeric gid allowed on the admin socket (besides root), if any.
+    pub admin_gid: Option<u32>,
+    /// The admin group as configured (for messages).
+    pub admin_group: Option<String>,
+    /// Lifetime of fd tokens.
+    pub fd_token_ttl: std::time::Duration,
+    /// Log filter.
+    pub log: String,
+    /// Compaction period; `None` disables it.
+    pub compaction_interval: Option<std::time::Duration>,
+    /// Whether the move-churn test driver runs.
+    pub debug_move_churn: bool,
+}
+
+/// The smallest device budget kvmmd accepts: one 2 MiB chunk.
+pub const MIN_DEVICE_BUDGET: u64 = 2 << 20;
+
+impl FileConfig {
+    /// Reads and parses a configuration file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::io(format!("cannot read the configuration file {}", path.display()), e))?;
+        Self::parse(&text)
+            .map_err(|msg| Error::InvalidArgument(format!("configuration file {}: {msg}", path.display())))
+    }
+
+    /// Parses configuration text; the error is the parser's sentence (with line and column).
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        toml::from_str(text).map_err(|e| e.to_string().trim_end().to_owned())
+    }
+
+    /// Merges the file with command-line overrides and decides every value.
+    pub fn resolve(self, cli: Overrides, env: &Environment) -> Result<Resolved> {
+        let runtime_dir = cli.runtime_dir.or(self.runtime_dir).map(Ok).unwrap_or_else(|| env.default_runtime_dir())?;
+        let budget = cli
+            .device_budget
+            .or(self.device_budget)
+            .unwrap_or(ByteSize::PercentOfAvailable(25))
+            .bytes(env.mem_available);
+        if budget < MIN_DEVICE_BUDGET {
+            return Err(Error::InvalidArgument(format!(
+                "the device budget resolves to {budget} bytes; it must be at least {MIN_DEVICE_BUDGET} bytes (2 MiB)"
+            )));
+        }
+        let admin_group = cli.admin_group.or(self.admin_group);
+        let admin_gid = admin_group.as_deref().map(resolve_group).transpose()?;
+        let ttl_ms = cli.fd_token_ttl_ms.or(self.fd_token_ttl_ms).unwrap_or(DEFAULT_FD_TOKEN_TTL_MS);
+        if !(100..=600_000).contains(&ttl_ms) {
+            return Err(Error::InvalidArgument(format!(
+                "fd_token_ttl_ms is {ttl_ms}; it must be between 100 and 600000 milliseconds"
+            )));
+        }
+        let interval = cli
+            .compaction_interval_ms
+            .or(self.compaction.and_then(|c| c.interval_ms))
+            .unwrap_or(DEFAULT_COMPACTION_INTERVAL_MS);
+        Ok(Resolved {
+            runtime_dir,
+            device_budget: budget,
+            admin_gid,
+            admin_group,
+            fd_token_ttl: std::time::Duration::from_millis(ttl_ms),
+            log: cli.log.or(self.log).unwrap_or_else(|| "info".to_owned()),
+            compaction_interval: (interval > 0).then(|| std::time::Duration::from_millis(interval)),
+            debug_move_churn: cli.debug_move_churn,
+        })
+    }
+}
+
+/// What the defaults depend on, read once from the process environment (or built by tests).
+#[derive(Clone, Debug)]
+pub struct Environment {
+    /// `$RUNTIME_DIRECTORY` (set by systemd's `RuntimeDirectory=`).
+    pub runtime_directory: Option<PathBuf>,
+    /// `$XDG_RUNTIME_DIR`.
+    pub xdg_runtime_dir: Option<PathBuf>,
+    /// The effective uid.
+    pub euid: u32,
+    /// `MemAvailable` from `/proc/meminfo`, in bytes.
+    pub mem_available: u64,
+}
+
+impl Environment {
+    /// Reads the real environment.
+    pub fn from_process() -> Result<Self> {
+        let meminfo = std::fs::read_to_string("/proc/meminfo")
+            .map_err(|e| Error::io("cannot read /proc/meminfo to size the default budget", e))?;
+        let mem_available = parse_mem_available(&meminfo).ok_or_else(|| {
+            Error::FailedPrecondition("/proc/meminfo has no MemAvailable line; set device_budget explicitly".to_owned())
+        })?;
+        Ok(Environment {
+            // systemd may pass several colon-separated directories; the first is ours.
+            runtime_directory: std::env::var_os("RUNTIME_DIRECTORY")
+                .and_then(|v| v.to_str().and_then(|s| s.split(':').next()).map(PathBuf::from))
+                .filter(|p| !p.as_os_str().is_empty()),
+            xdg_runtime_dir: std::env::var_os("XDG_RUNTIME_DIR")
+                .map(PathBuf::from)
+                .filter(|p| !p.as_os_str().is_empty()),
+            euid: rustix::process::geteuid().as_raw(),
+            mem_available,
+        })
+    }
+
+    /// `$RUNTIME_DIRECTORY`, else `/run/kvmm` as root, else `$XDG_RUNTIME_DIR/kvmm`.
+    pub fn default_runtime_dir(&self) -> Result<PathBuf> {
+        if let Some(dir) = &self.runtime_directory {
+            return Ok(dir.clone());
+        }
+        if self.euid == 0 {
+            return Ok(PathBuf::from("/run/kvmm"));
+        }
+        match &self.xdg_runtime_dir {
+            Some(dir) => Ok(dir.join("kvmm")),
+            None => Err(Error::FailedPrecondition(
+                "no runtime directory: $RUNTIME_DIRECTORY and $XDG_RUNTIME_DIR are unset and kvmmd is not \
+                 root; pass --runtime-dir DIR"
+                    .to_owned(),
+            )),
+        }
+    }
+}
+
+/// Reads `MemAvailable` (in bytes) from `/proc/meminfo` text.
+pub fn parse_mem_available(meminfo: &str) -> Option<u64> {
+    meminfo.lines().find_map(|line| {
+        let rest = line.strip_prefix("MemAvailable:")?;
+        let kib: u64 = rest.trim().strip_suffix("kB")?.trim().parse().ok()?;
+        kib.checked_mul(1024)
+    })
+}
+
+/// Resolves a group name or numeric gid from `/etc/group`.
+fn resolve_group(group: &str) -> Result<u32> {
+    if let Ok(gid) = group.parse::<u32>() {
+        return Ok(gid);
+    }
+    let text = std::fs::read_to_string("/etc/group")
+        .map_err(|e| Error::io("cannot read /etc/group to resolve admin_group", e))?;
+    text.lines()
+        .find_map(|line| {
+            let mut fields = line.split(':');
+            (fields.next()? == group).then(|| fields.nth(1)?.parse().ok())?
+        })
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "admin_group '{group}' is not a group in /etc/group; create it or give a numeric gid"
+            ))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(euid: u32) -> Environment {
+        Environment {
+            runtime_directory: None,
+            xdg_runtime_dir: Some(PathBuf::from("/run/user/1000")),
+            euid,
+            mem_available: 8 << 30,
+        }
+    }
+
+    #[test]
+    fn defaults_work_without_a_file() {
+        let r = FileConfig::default().resolve(Overrides::default(), &env(1000)).unwrap();
+        assert_eq!(r.runtime_dir, PathBuf::from("/run/user/1000/kvmm"));
+        assert_eq!(r.device_budget, (8u64 << 30) / 100 * 25);
+        let root = FileConfig::default().resolve(Overrides::default(), &env(0)).unwrap();
+        assert_eq!(root.runtime_dir, PathBuf::from("/run/kvmm"));
+    }
+
+    #[test]
+    fn systemd_runtime_directory_wins_over_defaults() {
+        let mut e = env(0);
+        e.runtime_directory = Some(PathBuf::from("/run/kvmm-unit"));
+        let r = FileConfig::default().resolve(Overrides::default(), &e).unwrap();
+        assert_eq!(r.runtime_dir, PathBuf::from("/run/kvmm-unit"));
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_with_their_name() {
+        let err = FileConfig::parse("device_budgt = \"1GiB\"\n").unwrap_err();
+        assert!(err.contains("device_budgt"), "{err}");
+        let err = FileConfig::parse("[compaction]\nintervl_ms = 3\n").unwrap_err();
+        assert!(err.contains("intervl_ms"), "{err}");
+    }
+
+    #[test]
+    fn cli_overrides_the_file() {
+        let file = FileConfig::parse("device_budget = \"1GiB\"\nruntime_dir = \"/a\"\n").unwrap();
+        let cli = Overrides { device_budget: Some(ByteSize::Bytes(64 << 20)), ..Default::default() };
+        let r = file.resolve(cli, &env(1000)).unwrap();
+        assert_eq!(r.device_budget, 64 << 20);
+        assert_eq!(r.runtime_dir, PathBuf::from("/a"));
+    }
+
+    #[test]
+    fn byte_sizes_parse_units_and_percentages() {
+        assert_eq!(ByteSize::parse("512MiB"), Ok(ByteSize::Bytes(512 << 20)));
+        assert_eq!(ByteSize::parse("4G"), Ok(ByteSize::Bytes(4 << 30)));
+        assert_eq!(ByteSize::parse("123"), Ok(ByteSize::Bytes(123)));
+        assert_eq!(ByteSize::parse("25%"), Ok(ByteSize::PercentOfAvailable(25)));
+        assert!(ByteSize::parse("0%").is_err());
+        assert!(ByteSize::parse("12 parsecs").unwrap_err().contains("parsecs"));
+        let file = FileConfig::parse("device_budget = 1048576\n").unwrap();
+        assert_eq!(file.device_budget, Some(ByteSize::Bytes(1 << 20)));
+    }
+
+    #[test]
+    fn a_budget_below_one_chunk_is_refused() {
+        let cli = Overrides { device_budget: Some(ByteSize::Bytes(4096)), ..Default::default() };
+        let err = FileConfig::default().resolve(cli, &env(0)).unwrap_err();
+        assert!(err.to_string().contains("at least"), "{err}");
+    }
+
+    #[test]
+    fn mem_available_is_read_in_bytes() {
+        let text = "MemTotal:       24684096 kB\nMemAvailable:   24397128 kB\n";
+        assert_eq!(parse_mem_available(text), Some(24397128 * 1024));
+        assert_eq!(parse_mem_available("MemTotal: 1 kB\n"), None);
+    }
+}

@@ -1,0 +1,418 @@
+//! The daemon's shared state and the operations the servers call.
+//!
+//! Everything mutable lives in [`Core`] behind one mutex: the pool, the sessions and the fd tokens
+//! change together (an `Extend` allocates frames and publishes them in a session's table), and every
+//! operation under the lock is short (no waiting on clients: pinned pages are skipped, never waited
+//! on). The gRPC and fd servers are thin layers over these methods, so the logic is tested without
+//! sockets.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use kvmm_shm::fdpass::{FdRequest, PeerCred};
+use kvmm_shm::{ClientRegion, Geometry, Memfd, PageLocation, SessionTable};
+use parking_lot::Mutex;
+
+use crate::config::Resolved;
+use crate::error::{Error, Result};
+use crate::fdpass::{TOKEN_BYTES, TokenStore};
+use crate::pool::Pool;
+use crate::server::conn::{ConnId, ConnInfo};
+use crate::session::{Counters, Owner, PageTable, Priority, Registry, Session};
+
+/// The most pages one session may address (its table then takes 32 MiB); bounds what one attach costs.
+pub const MAX_PAGES_PER_SESSION: u64 = 1 << 20;
+/// Longest model id accepted.
+pub const MAX_MODEL_ID_BYTES: usize = 256;
+
+/// Mutable state, guarded by [`Daemon::core`].
+#[derive(Debug)]
+pub struct Core {
+    /// Device-tier frames and accounting.
+    pub pool: Pool,
+    /// Live sessions.
+    pub sessions: Registry,
+    /// One-time fd tokens.
+    pub tokens: TokenStore,
+    /// Pages moved between frames since start.
+    pub moves: u64,
+    /// Moves skipped because a client held a pin.
+    pub moves_skipped_pinned: u64,
+}
+
+/// The daemon: configuration, the locked core, and the shutdown flag.
+#[derive(Debug)]
+pub struct Daemon {
+    /// The resolved configuration; fixed for the life of the process.
+    pub config: Resolved,
+    /// Mutable state.
+    pub core: Mutex<Core>,
+    /// Set once shutdown starts; from then on no new work is admitted.
+    shutting_down: AtomicBool,
+    /// Start time, for uptime.
+    pub started: Instant,
+}
+
+/// What `Attach` returns.
+#[derive(Debug)]
+pub struct AttachGrant {
+    /// The new session.
+    pub session_id: u64,
+    /// The one-time fd token.
+    pub fd_token: [u8; TOKEN_BYTES],
+    /// Arena memfd length.
+    pub arena_bytes: u64,
+    /// Session-table memfd length.
+    pub table_bytes: u64,
+    /// Client-region memfd length.
+    pub client_region_bytes: u64,
+    /// The accepted geometry (defaults filled in).
+    pub geometry: Geometry,
+}
+
+/// The memfds handed out for one session (duplicates; the daemon keeps its own).
+#[derive(Debug)]
+pub struct FdGrant {
+    /// The trust domain's arena.
+    pub arena: Memfd,
+    /// The session table (read-only for the client).
+    pub table: Memfd,
+    /// The client region.
+    pub region: Memfd,
+}
+
+/// Residency of one page, as `Fault` reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Residency {
+    /// Layer.
+    pub layer: u32,
+    /// Block.
+    pub block: u32,
+    /// Whether the page is in the device tier.
+    pub resident: bool,
+    /// Generation of the page's table entry.
+    pub generation: u32,
+}
+
+/// Per-session statistics.
+#[derive(Clone, Debug)]
+pub struct SessionStats {
+    /// Id.
+    pub session_id: u64,
+    /// Geometry.
+    pub geometry: Geometry,
+    /// Model id.
+    pub model_id: String,
+    /// Priority.
+    pub priority: Priority,
+    /// Blocks allocated per layer.
+    pub allocated_blocks: u32,
+    /// Tokens published by the client (minimum over layers).
+    pub tokens: u64,
+    /// Device bytes owned.
+    pub device_bytes: u64,
+    /// Counters.
+    pub counters: Counters,
+}
+
+/// Daemon-wide status.
+#[derive(Clone, Debug)]
+pub struct Status {
+    /// Device budget.
+    pub budget: u64,
+    /// Device bytes in use (the pool's accounting).
+    pub used: u64,
+    /// Frames in use.
+    pub frames: u64,
+    /// Sum over sessions of their page-table bytes (equals `used` when nothing is mid-move).
+    pub session_bytes: u64,
+    /// Live sessions.
+    pub sessions: u32,
+    /// Arenas.
+    pub trust_domains: u32,
+    /// Moves since start.
+    pub moves: u64,
+    /// Moves skipped on a pin.
+    pub moves_skipped_pinned: u64,
+}
+
+impl Daemon {
+    /// A daemon with an empty pool.
+    pub fn new(config: Resolved) -> Arc<Self> {
+        let pool = Pool::new(config.device_budget);
+        Arc::new(Daemon {
+            config,
+            core: Mutex::new(Core {
+                pool,
+                sessions: Registry::default(),
+                tokens: TokenStore::default(),
+                moves: 0,
+                moves_skipped_pinned: 0,
+            }),
+            shutting_down: AtomicBool::new(false),
+            started: Instant::now(),
+        })
+    }
+
+    /// Stops admitting work.
+    pub fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether shutdown has started.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    fn admit(&self) -> Result<()> {
+        if self.is_shutting_down() { Err(Error::ShuttingDown) } else { Ok(()) }
+    }
+
+    /// Creates a session for the caller.
+    pub fn attach(
+        &self,
+        caller: ConnInfo,
+        geometry: Geometry,
+        model_id: String,
+        priority: Priority,
+    ) -> Result<AttachGrant> {
+        self.admit()?;
+        geometry.validate()?;
+        if model_id.len() > MAX_MODEL_ID_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "model_id is {} bytes; at most {MAX_MODEL_ID_BYTES} are accepted",
+                model_id.len()
+            )));
+        }
+        let pages = u64::from(geometry.layers) * u64::from(geometry.blocks_per_layer());
+        if pages > MAX_PAGES_PER_SESSION {
+            return Err(Error::InvalidArgument(format!(
+                "this geometry addresses {pages} pages ({} layers × {} blocks); at most {MAX_PAGES_PER_SESSION} \
+                 are allowed per session: lower max_tokens or raise block_tokens",
+                geometry.layers,
+                geometry.blocks_per_layer()
+            )));
+        }
+        let mut core = self.core.lock();
+        let core = &mut *core;
+        let arena_bytes = core.pool.arena_for(caller.uid)?.memfd().len();
+        let id = core.sessions.next_id();
+        let (table_memfd, table) = SessionTable::create(id, &geometry)?;
+        let (region_memfd, region) = ClientRegion::create(&geometry)?;
+        let fd_token = core.tokens.issue(id, caller.uid, caller.pid, self.config.fd_token_ttl)?;
+        let grant = AttachGrant {
+            session_id: id,
+            fd_token,
+            arena_bytes,
+            table_bytes: table_memfd.len(),
+            client_region_bytes: region_memfd.len(),
+            geometry,
+        };
+        core.sessions.insert(Session {
+            id,
+            owner: Owner { uid: caller.uid, gid: caller.gid, pid: caller.pid, conn: caller.id },
+            geometry,
+            model_id,
+            priority,
+            table,
+            table_memfd,
+            region,
+            region_memfd,
+            pages: PageTable::new(geometry.layers, geometry.blocks_per_layer()),
+            counters: Counters::default(),
+            attached_at: Instant::now(),
+        });
+        tracing::info!(session = id, uid = caller.uid, pid = caller.pid, ?geometry, "attached");
+        Ok(grant)
+    }
+
+    /// Hands out `blocks` more pages for every layer of a session; returns (allocated blocks, bytes).
+    pub fn extend(&self, caller: ConnInfo, session_id: u64, blocks: u32) -> Result<(u32, u64)> {
+        self.admit()?;
+        if blocks == 0 {
+            return Err(Error::InvalidArgument("blocks must be at least 1".to_owned()));
+        }
+        let mut core = self.core.lock();
+        let Core { pool, sessions, .. } = &mut *core;
+        let s = sessions.get_mut(session_id, caller.uid)?;
+        let have = s.pages.allocated_blocks();
+        let cap = s.pages.blocks_per_layer();
+        if u64::from(have) + u64::from(blocks) > u64::from(cap) {
+            return Err(Error::InvalidArgument(format!(
+                "Extend past the geometry: session {session_id} has {have} of its {cap} blocks per layer \
+                 (max_tokens {} at {} tokens per block); {blocks} more would exceed max_tokens",
+                s.geometry.max_tokens, s.geometry.block_tokens
+            )));
+        }
+        let page_bytes = s.geometry.page_bytes();
+        let frames = pool.alloc_frames(caller.uid, page_bytes, u64::from(blocks) * u64::from(s.geometry.layers))?;
+        let format = s.geometry.format().as_u8();
+        for (i, frame) in frames.iter().enumerate() {
+            let layer = i as u32 / blocks;
+            let block = have + i as u32 % blocks;
+            s.region.entry(layer, block)?.publish_tokens(0);
+            s.table.entry_writer(layer, block)?.publish_new(PageLocation {
+                offset: frame.offset,
+                len: frame.len as u32,
+                format,
+                tier: PageLocation::TIER_DEVICE,
+            });
+        }
+        s.pages.extend(blocks, &frames);
+        tracing::debug!(session = session_id, blocks, total = s.pages.allocated_blocks(), "extended");
+        Ok((s.pages.allocated_blocks(), s.pages.bytes()))
+    }
+
+    /// Destroys a session on its owner's request; returns the bytes wiped.
+    pub fn detach(&self, caller: ConnInfo, session_id: u64) -> Result<u64> {
+        let mut core = self.core.lock();
+        core.sessions.get(session_id, caller.uid)?;
+        let bytes = destroy(&mut core, session_id)?;
+        tracing::info!(session = session_id, bytes, "detached");
+        Ok(bytes)
+    }
+
+    /// Destroys every session attached through a connection that has closed.
+    pub fn connection_closed(&self, conn: ConnId) {
+        let mut core = self.core.lock();
+        for id in core.sessions.ids_of_conn(conn) {
+            match destroy(&mut core, id) {
+                Ok(bytes) => tracing::info!(session = id, conn = conn.0, bytes, "client went away; session wiped"),
+                Err(e) => tracing::error!(session = id, error = %e, "wiping the session of a closed connection failed"),
+            }
+        }
+    }
+
+    /// Wipes every session (shutdown); returns the bytes wiped.
+    pub fn wipe_all(&self) -> u64 {
+        let mut core = self.core.lock();
+        let mut total = 0;
+        for id in core.sessions.ids() {
+            match destroy(&mut core, id) {
+                Ok(b) => total += b,
+                Err(e) => tracing::error!(session = id, error = %e, "wiping a session at shutdown failed"),
+            }
+        }
+        total
+    }
+
+    /// Checks an fd request against its token and returns duplicates of the session's memfds.
+    pub fn grant_fds(&self, peer: PeerCred, request: &FdRequest) -> Result<FdGrant> {
+        self.admit()?;
+        let mut core = self.core.lock();
+        let core = &mut *core;
+        core.tokens.redeem(request.session_id, &request.token, peer, Instant::now())?;
+        let s = core.sessions.get(request.session_id, peer.uid)?;
+        let arena = core
+            .pool
+            .arena(s.owner.uid)
+            .ok_or_else(|| Error::FailedPrecondition(format!("uid {} has no arena", s.owner.uid)))?;
+        Ok(FdGrant {
+            arena: arena.memfd().try_clone()?,
+            table: s.table_memfd.try_clone()?,
+            region: s.region_memfd.try_clone()?,
+        })
+    }
+
+    /// Statistics of one session.
+    pub fn session_stats(&self, caller: ConnInfo, session_id: u64) -> Result<SessionStats> {
+        let core = self.core.lock();
+        let s = core.sessions.get(session_id, caller.uid)?;
+        Ok(SessionStats {
+            session_id,
+            geometry: s.geometry,
+            model_id: s.model_id.clone(),
+            priority: s.priority,
+            allocated_blocks: s.pages.allocated_blocks(),
+            tokens: s.tokens(),
+            device_bytes: s.pages.bytes(),
+            counters: s.counters,
+        })
+    }
+
+    /// Makes the listed pages resident and reports where they are. With only the device tier, every
+    /// allocated page is resident; unallocated pages are an error naming the first one.
+    pub fn fault(&self, caller: ConnInfo, session_id: u64, pages: &[(u32, u32)]) -> Result<Vec<Residency>> {
+        self.admit()?;
+        let mut core = self.core.lock();
+        let s = core.sessions.get_mut(session_id, caller.uid)?;
+        let mut out = Vec::with_capacity(pages.len());
+        for &(layer, block) in pages {
+            check_page(s, layer, block)?;
+            let (generation, flags) = s.table.entry(layer, block)?.load_state(std::sync::atomic::Ordering::Acquire);
+            out.push(Residency { layer, block, resident: flags.contains(kvmm_shm::PageFlags::RESIDENT), generation });
+        }
+        s.counters.faults += pages.len() as u64;
+        Ok(out)
+    }
+
+    /// Records a prefetch hint for a range of pages; returns (resident, scheduled).
+    pub fn prefetch(
+        &self,
+        caller: ConnInfo,
+        session_id: u64,
+        layers: std::ops::Range<u32>,
+        blocks: std::ops::Range<u32>,
+    ) -> Result<(u32, u32)> {
+        self.admit()?;
+        let mut core = self.core.lock();
+        let s = core.sessions.get_mut(session_id, caller.uid)?;
+        if layers.is_empty() || blocks.is_empty() {
+            return Err(Error::InvalidArgument("a prefetch must name at least one layer and one block".to_owned()));
+        }
+        check_page(s, layers.end - 1, blocks.end - 1)?;
+        let n = (layers.end - layers.start) * (blocks.end - blocks.start);
+        s.counters.prefetches += u64::from(n);
+        // Every allocated page is on the device tier: nothing to schedule.
+        Ok((n, 0))
+    }
+
+    /// Daemon-wide status.
+    pub fn status(&self) -> Status {
+        let core = self.core.lock();
+        Status {
+            budget: core.pool.budget(),
+            used: core.pool.used(),
+            frames: core.pool.frame_count(),
+            session_bytes: core.sessions.iter().map(|s| s.pages.bytes()).sum(),
+            sessions: core.sessions.len() as u32,
+            trust_domains: core.pool.arena_count() as u32,
+            moves: core.moves,
+            moves_skipped_pinned: core.moves_skipped_pinned,
+        }
+    }
+}
+
+/// Checks that a page is inside the geometry and allocated.
+fn check_page(s: &Session, layer: u32, block: u32) -> Result<()> {
+    if layer >= s.geometry.layers {
+        return Err(Error::InvalidArgument(format!(
+            "layer {layer} is out of range: session {} has layers 0..{}",
+            s.id, s.geometry.layers
+        )));
+    }
+    if block >= s.pages.allocated_blocks() {
+        return Err(Error::InvalidArgument(format!(
+            "block {block} is out of range: session {} has blocks 0..{} allocated (call Extend first)",
+            s.id,
+            s.pages.allocated_blocks()
+        )));
+    }
+    Ok(())
+}
+
+/// Removes a session, zeroes and frees its frames, marks its shared table closed; returns bytes wiped.
+/// Pins do not block this: the client is gone or has asked for it.
+fn destroy(core: &mut Core, id: u64) -> Result<u64> {
+    let Some(mut s) = core.sessions.remove(id) else { return Ok(0) };
+    core.tokens.remove(id);
+    s.table.set_status(kvmm_shm::TableStatus::Closed)?;
+    let mut bytes = 0;
+    for frame in s.pages.take_all() {
+        bytes += frame.footprint();
+        core.pool.free_frame(s.owner.uid, frame)?;
+    }
+    debug_assert_eq!(core.pool.used(), core.pool.used_by_arenas());
+    Ok(bytes)
+}

@@ -1,0 +1,108 @@
+//! The daemon's error type: one enum, a small stable [`ErrorKind`], and messages that are sentences a
+//! person can act on. `server::status` is the one place that turns a kind into a gRPC code.
+
+use kvmm_shm::{GeometryError, ShmError};
+
+/// What kind of failure an [`Error`] is; stable across message changes, mapped to gRPC codes in one place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The request is malformed or out of range.
+    InvalidArgument,
+    /// The named object does not exist.
+    NotFound,
+    /// The caller's identity does not allow this.
+    PermissionDenied,
+    /// A budget would be exceeded.
+    ResourceExhausted,
+    /// The object is in the wrong state for the request.
+    FailedPrecondition,
+    /// The daemon is shutting down.
+    Unavailable,
+    /// A bug or an unexpected operating-system failure.
+    Internal,
+}
+
+/// A failure of a daemon operation.
+#[derive(thiserror::Error, Debug)]
+pub enum Error {
+    /// The geometry given at attach breaks a rule.
+    #[error("invalid geometry: {0}")]
+    Geometry(#[from] GeometryError),
+    /// A request field is out of range; the message names the field and the allowed range.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// No session with this id exists (for this caller).
+    #[error("session {0} does not exist: it was detached, destroyed with its connection, or never attached")]
+    UnknownSession(u64),
+    /// The caller is not the session's owner.
+    #[error("session {session} belongs to uid {owner}; uid {caller} may not use it")]
+    ForeignSession {
+        /// The session asked for.
+        session: u64,
+        /// Its owner's uid.
+        owner: u32,
+        /// The caller's uid.
+        caller: u32,
+    },
+    /// The caller may not use this endpoint.
+    #[error("{0}")]
+    PermissionDenied(String),
+    /// A tier's budget cannot fit the request.
+    #[error(
+        "the {tier} tier cannot fit this request: {requested} bytes requested, {available} of its \
+         {budget}-byte budget available; detach idle sessions or raise the {tier} budget"
+    )]
+    Exhausted {
+        /// The tier whose budget is exhausted.
+        tier: &'static str,
+        /// Bytes the request needs.
+        requested: u64,
+        /// Bytes still free in the tier.
+        available: u64,
+        /// The tier's whole budget.
+        budget: u64,
+    },
+    /// The request does not fit the object's current state.
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// The daemon is momentarily overloaded; the request may be retried.
+    #[error("{0}")]
+    Busy(String),
+    /// The daemon no longer admits work.
+    #[error("kvmmd is shutting down and admits no new work; reconnect once it is back")]
+    ShuttingDown,
+    /// A shared-memory operation failed.
+    #[error("shared memory: {0}")]
+    Shm(#[from] ShmError),
+    /// An unexpected operating-system failure.
+    #[error("{what}: {source}")]
+    Io {
+        /// What the daemon was doing.
+        what: String,
+        /// The underlying failure.
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// The stable kind of this error.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Geometry(_) | Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            Error::UnknownSession(_) => ErrorKind::NotFound,
+            Error::ForeignSession { .. } | Error::PermissionDenied(_) => ErrorKind::PermissionDenied,
+            Error::Exhausted { .. } => ErrorKind::ResourceExhausted,
+            Error::FailedPrecondition(_) => ErrorKind::FailedPrecondition,
+            Error::ShuttingDown | Error::Busy(_) => ErrorKind::Unavailable,
+            Error::Shm(_) | Error::Io { .. } => ErrorKind::Internal,
+        }
+    }
+
+    /// Wraps an I/O error with what the daemon was doing.
+    pub fn io(what: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io { what: what.into(), source }
+    }
+}
+
+/// Result alias for daemon operations.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

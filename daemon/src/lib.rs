@@ -1,0 +1,17 @@
+//! kvmmd: the daemon that owns the KV-cache memory of every local inference process.
+//!
+//! Layout: [`config`] (file, flags, defaults), [`runtime_dir`] (socket directory and its lock),
+//! [`server`] (gRPC services, peer identity, error-to-code mapping, shutdown), [`fdpass`] (memfds
+//! over SCM_RIGHTS), [`pool`] (arenas, frames, accounting), [`session`] (registry, page tables),
+//! [`migrate`] (the page-move primitive, compaction), and [`daemon`] (the shared state and the
+//! operations the servers call). See ARCHITECTURE.md.
+
+pub mod config;
+pub mod daemon;
+pub mod error;
+pub mod fdpass;
+pub mod migrate;
+pub mod pool;
+pub mod runtime_dir;
+pub mod server;
+pub mod session;

@@ -1,0 +1,78 @@
+//! `kvmmd`: parses flags, loads the configuration, takes the runtime directory and serves.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use kvmm_daemon::config::{ByteSize, Environment, FileConfig, Overrides};
+use kvmm_daemon::daemon::Daemon;
+use kvmm_daemon::runtime_dir::RuntimeDir;
+
+/// kvmmd owns the KV-cache memory of local LLM inference processes: clients attach over gRPC on a
+/// Unix socket and read and write their KV pages in shared memory.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    /// TOML configuration file (unknown keys are rejected). Without it, embedded defaults apply.
+    #[arg(long, value_name = "PATH")]
+    config: Option<PathBuf>,
+    /// Directory for the sockets [default: $RUNTIME_DIRECTORY, /run/kvmm as root, else $XDG_RUNTIME_DIR/kvmm].
+    #[arg(long, value_name = "DIR")]
+    runtime_dir: Option<PathBuf>,
+    /// Device-tier budget: bytes, a size such as 512MiB or 4GiB, or a percentage of MemAvailable [default: 25%].
+    #[arg(long, value_name = "SIZE")]
+    device_budget: Option<ByteSize>,
+    /// Group (name or gid) allowed on the admin socket besides root.
+    #[arg(long, value_name = "GROUP")]
+    admin_group: Option<String>,
+    /// Lifetime of the one-time fd token, in milliseconds [default: 10000].
+    #[arg(long, value_name = "MS")]
+    fd_token_ttl_ms: Option<u64>,
+    /// Milliseconds between arena compaction passes; 0 disables [default: 1000].
+    #[arg(long, value_name = "MS")]
+    compaction_interval_ms: Option<u64>,
+    /// Log filter, e.g. info or kvmm_daemon=debug [default: info].
+    #[arg(long, value_name = "FILTER")]
+    log: Option<String>,
+    /// Test mode: move random pages between frames continuously.
+    #[arg(long, hide = true)]
+    debug_move_churn: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvmmd: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let file = match &cli.config {
+        Some(path) => FileConfig::load(path)?,
+        None => FileConfig::default(),
+    };
+    let overrides = Overrides {
+        runtime_dir: cli.runtime_dir,
+        device_budget: cli.device_budget,
+        admin_group: cli.admin_group,
+        fd_token_ttl_ms: cli.fd_token_ttl_ms,
+        log: cli.log,
+        compaction_interval_ms: cli.compaction_interval_ms,
+        debug_move_churn: cli.debug_move_churn,
+    };
+    let config = file.resolve(overrides, &Environment::from_process()?)?;
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&config.log)?)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let dir = RuntimeDir::acquire(&config.runtime_dir)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let daemon = Daemon::new(config);
+    runtime.block_on(kvmm_daemon::server::run(daemon, dir))?;
+    Ok(())
+}

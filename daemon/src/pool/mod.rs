@@ -1,0 +1,146 @@
+//! The device-tier pool: one [`Arena`] per trust domain (uid) and one global budget across all of them.
+//!
+//! Accounting is exact: `used` is the sum of the footprints of every frame handed out, in every arena,
+//! and an allocation that would push it past the budget fails with `RESOURCE_EXHAUSTED` naming the
+//! tier and the requested and available bytes. Nothing is overcommitted: each arena is a sparse memfd
+//! as large as the whole budget, but only frames inside the budget are ever handed out.
+
+pub mod arena;
+pub mod extent;
+
+use std::collections::HashMap;
+
+pub use arena::{Arena, Frame};
+
+use crate::error::{Error, Result};
+
+/// Name of the tier this pool implements, as it appears in messages and stats.
+pub const DEVICE_TIER: &str = "device";
+
+/// The device-tier pool.
+#[derive(Debug)]
+pub struct Pool {
+    /// Bytes the device tier may hold, across all arenas. Fixed at start-up.
+    budget: u64,
+    /// Bytes of frames handed out, across all arenas.
+    used: u64,
+    /// Frames handed out, across all arenas.
+    frames: u64,
+    /// Arenas by uid, created on a uid's first attach and kept (memory is reused) until shutdown.
+    arenas: HashMap<u32, Arena>,
+}
+
+impl Pool {
+    /// An empty pool with the given budget.
+    pub fn new(budget: u64) -> Self {
+        Pool { budget, used: 0, frames: 0, arenas: HashMap::new() }
+    }
+
+    /// The budget in bytes.
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    /// Bytes of frames in use.
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    /// Frames in use.
+    pub fn frame_count(&self) -> u64 {
+        self.frames
+    }
+
+    /// Number of arenas (trust domains seen).
+    pub fn arena_count(&self) -> usize {
+        self.arenas.len()
+    }
+
+    /// The arena of `uid`, created on first use.
+    pub fn arena_for(&mut self, uid: u32) -> Result<&mut Arena> {
+        if !self.arenas.contains_key(&uid) {
+            let arena = Arena::create(uid, self.budget)?;
+            tracing::info!(uid, bytes = self.budget, "created arena");
+            self.arenas.insert(uid, arena);
+        }
+        self.arenas.get_mut(&uid).ok_or_else(|| Error::FailedPrecondition("arena vanished".to_owned()))
+    }
+
+    /// The arena of `uid`, if it exists.
+    pub fn arena(&self, uid: u32) -> Option<&Arena> {
+        self.arenas.get(&uid)
+    }
+
+    /// Mutable access to the arena of `uid`, if it exists.
+    pub fn arena_mut(&mut self, uid: u32) -> Option<&mut Arena> {
+        self.arenas.get_mut(&uid)
+    }
+
+    /// Allocates `count` frames of `len` bytes for `uid`: all of them or none.
+    pub fn alloc_frames(&mut self, uid: u32, len: u64, count: u64) -> Result<Vec<Frame>> {
+        let requested = extent::ExtentAllocator::frame_len(len).saturating_mul(count);
+        let available = self.budget - self.used;
+        if requested > available {
+            return Err(Error::Exhausted { tier: DEVICE_TIER, requested, available, budget: self.budget });
+        }
+        let arena = self.arena_for(uid)?;
+        let mut frames = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            match arena.alloc(len) {
+                Ok(Some(f)) => frames.push(f),
+                outcome => {
+                    for f in frames {
+                        arena.free(f)?;
+                    }
+                    outcome?;
+                    return Err(Error::Exhausted { tier: DEVICE_TIER, requested, available, budget: self.budget });
+                }
+            }
+        }
+        self.used += requested;
+        self.frames += count;
+        Ok(frames)
+    }
+
+    /// Allocates one frame for a page move inside `uid`'s arena: at exactly `at` when given, else
+    /// anywhere. The move needs the destination before it frees the source, so the destination is
+    /// counted like any other frame; `None` when the budget or the arena has no room.
+    pub fn alloc_move_target(&mut self, uid: u32, len: u64, at: Option<u64>) -> Result<Option<Frame>> {
+        let need = extent::ExtentAllocator::frame_len(len);
+        if need > self.budget - self.used {
+            return Ok(None);
+        }
+        let Some(arena) = self.arenas.get_mut(&uid) else { return Ok(None) };
+        let frame = match at {
+            Some(offset) => arena.alloc_at(offset, len)?,
+            None => arena.alloc(len)?,
+        };
+        if frame.is_some() {
+            self.used += need;
+            self.frames += 1;
+        }
+        Ok(frame)
+    }
+
+    /// Zeroes and frees a frame of `uid`'s arena.
+    pub fn free_frame(&mut self, uid: u32, frame: Frame) -> Result<()> {
+        let arena = self
+            .arenas
+            .get_mut(&uid)
+            .ok_or_else(|| Error::FailedPrecondition(format!("no arena for uid {uid} while freeing a frame")))?;
+        arena.free(frame)?;
+        self.used -= frame.footprint();
+        self.frames -= 1;
+        Ok(())
+    }
+
+    /// Every arena, by uid.
+    pub fn arenas(&self) -> impl Iterator<Item = (u32, &Arena)> {
+        self.arenas.iter().map(|(&uid, a)| (uid, a))
+    }
+
+    /// Sum of the used bytes the arenas report; equals `used()` (checked in tests and by the admin status).
+    pub fn used_by_arenas(&self) -> u64 {
+        self.arenas.values().map(Arena::used).sum()
+    }
+}

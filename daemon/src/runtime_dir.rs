@@ -1,0 +1,116 @@
+//! The runtime directory: where the sockets live, guarded by a lock file so that only one kvmmd
+//! serves a directory at a time.
+//!
+//! The lock is an `flock` on `kvmmd.lock`, held for the life of the process and released by the
+//! kernel however the process ends, so a crashed daemon never blocks its successor. The file holds
+//! the owner's pid for the refusal message. Stale sockets left by a crashed daemon are removed only
+//! after the lock is taken.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{FlockOperation, flock};
+
+use crate::error::{Error, Result};
+
+/// File name of the session socket.
+pub const SESSION_SOCKET: &str = "kvmm.sock";
+/// File name of the fd-passing socket.
+pub const FD_SOCKET: &str = "kvmm-fd.sock";
+/// File name of the admin socket.
+pub const ADMIN_SOCKET: &str = "kvmm-admin.sock";
+/// File name of the lock.
+pub const LOCK_FILE: &str = "kvmmd.lock";
+
+/// A runtime directory this process holds the lock of. Dropping it removes the sockets.
+#[derive(Debug)]
+pub struct RuntimeDir {
+    dir: PathBuf,
+    /// Held open for the flock; closing it releases the lock.
+    _lock: File,
+}
+
+impl RuntimeDir {
+    /// Creates `dir` if needed, takes its lock, and removes stale sockets.
+    pub fn acquire(dir: &Path) -> Result<Self> {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(dir)
+            .map_err(|e| Error::io(format!("cannot create the runtime directory {}", dir.display()), e))?;
+        let lock_path = dir.join(LOCK_FILE);
+        let mut lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o644)
+            .open(&lock_path)
+            .map_err(|e| Error::io(format!("cannot open the lock file {}", lock_path.display()), e))?;
+        if flock(&lock, FlockOperation::NonBlockingLockExclusive).is_err() {
+            let mut pid = String::new();
+            let _ = lock.read_to_string(&mut pid);
+            let pid = pid.trim();
+            let who = if pid.is_empty() { "another kvmmd".to_owned() } else { format!("another kvmmd (pid {pid})") };
+            return Err(Error::FailedPrecondition(format!(
+                "{who} is already serving {}; stop it first or start this one with --runtime-dir DIR",
+                dir.display()
+            )));
+        }
+        lock.set_len(0)
+            .and_then(|()| lock.rewind())
+            .and_then(|()| writeln!(lock, "{}", std::process::id()))
+            .map_err(|e| Error::io(format!("cannot write the pid into {}", lock_path.display()), e))?;
+        let this = RuntimeDir { dir: dir.to_owned(), _lock: lock };
+        this.remove_sockets();
+        Ok(this)
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Path of a file in the directory.
+    pub fn join(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Sets a socket file's mode.
+    pub fn set_mode(&self, name: &str, mode: u32) -> Result<()> {
+        let path = self.join(name);
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| Error::io(format!("cannot set the mode of {}", path.display()), e))
+    }
+
+    fn remove_sockets(&self) {
+        for name in [SESSION_SOCKET, FD_SOCKET, ADMIN_SOCKET] {
+            let _ = std::fs::remove_file(self.join(name));
+        }
+    }
+}
+
+impl Drop for RuntimeDir {
+    fn drop(&mut self) {
+        self.remove_sockets();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_holder_is_refused_with_the_first_pid() {
+        let tmp = tempfile::tempdir().unwrap();
+        let first = RuntimeDir::acquire(tmp.path()).unwrap();
+        let err = RuntimeDir::acquire(tmp.path()).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains(&std::process::id().to_string()), "{msg}");
+        assert!(msg.contains("already serving"), "{msg}");
+        drop(first);
+        RuntimeDir::acquire(tmp.path()).unwrap();
+    }
+}

@@ -1,0 +1,177 @@
+//! `kvmm.v1.Session` on `kvmm.sock`: converts messages, takes the caller's identity from the
+//! connection, and calls [`Daemon`]. No logic lives here beyond translation.
+
+use std::sync::Arc;
+
+use kvmm_proto::v1 as pb;
+use kvmm_shm::{DEFAULT_BLOCK_TOKENS, Geometry};
+use tonic::{Request, Response, Status};
+
+use super::conn::ConnInfo;
+use crate::daemon::Daemon;
+use crate::error::Error;
+use crate::session::Priority;
+
+/// The session service.
+#[derive(Debug, Clone)]
+pub struct SessionService {
+    daemon: Arc<Daemon>,
+}
+
+impl SessionService {
+    /// A service over `daemon`.
+    pub fn new(daemon: Arc<Daemon>) -> Self {
+        SessionService { daemon }
+    }
+}
+
+/// The caller's identity, from the connection (never from the request).
+pub fn caller<T>(req: &Request<T>) -> Result<ConnInfo, Status> {
+    req.extensions()
+        .get::<ConnInfo>()
+        .copied()
+        .ok_or_else(|| Status::internal("the connection carries no peer credentials"))
+}
+
+/// Converts a wire geometry, filling defaults; range checks happen in `Geometry::validate`.
+pub fn geometry_from_pb(g: Option<pb::Geometry>) -> Result<Geometry, Error> {
+    let g = g.ok_or_else(|| Error::InvalidArgument("Attach needs a geometry".to_owned()))?;
+    let element_type = match pb::ElementType::try_from(g.element_type) {
+        Ok(pb::ElementType::Unspecified | pb::ElementType::F16) => kvmm_kernels::ElementType::F16,
+        Ok(pb::ElementType::Bf16) => kvmm_kernels::ElementType::Bf16,
+        Err(_) => {
+            return Err(Error::InvalidArgument(format!(
+                "element_type {} is unknown; use ELEMENT_TYPE_F16 or ELEMENT_TYPE_BF16",
+                g.element_type
+            )));
+        }
+    };
+    Ok(Geometry {
+        layers: g.layers,
+        kv_heads: g.kv_heads,
+        q_heads: g.q_heads,
+        head_dim: g.head_dim,
+        block_tokens: if g.block_tokens == 0 { DEFAULT_BLOCK_TOKENS } else { g.block_tokens },
+        element_type,
+        max_tokens: g.max_tokens,
+    })
+}
+
+/// Converts a geometry to the wire.
+pub fn geometry_to_pb(g: &Geometry) -> pb::Geometry {
+    pb::Geometry {
+        layers: g.layers,
+        kv_heads: g.kv_heads,
+        q_heads: g.q_heads,
+        head_dim: g.head_dim,
+        block_tokens: g.block_tokens,
+        element_type: match g.element_type {
+            kvmm_kernels::ElementType::Bf16 => pb::ElementType::Bf16,
+            _ => pb::ElementType::F16,
+        } as i32,
+        max_tokens: g.max_tokens,
+    }
+}
+
+fn priority_from_pb(p: i32) -> Result<Priority, Error> {
+    match pb::Priority::try_from(p) {
+        Ok(pb::Priority::Unspecified | pb::Priority::Foreground) => Ok(Priority::Foreground),
+        Ok(pb::Priority::Background) => Ok(Priority::Background),
+        Ok(pb::Priority::Batch) => Ok(Priority::Batch),
+        Err(_) => Err(Error::InvalidArgument(format!(
+            "priority {p} is unknown; use PRIORITY_FOREGROUND, PRIORITY_BACKGROUND or PRIORITY_BATCH"
+        ))),
+    }
+}
+
+fn priority_to_pb(p: Priority) -> pb::Priority {
+    match p {
+        Priority::Foreground => pb::Priority::Foreground,
+        Priority::Background => pb::Priority::Background,
+        Priority::Batch => pb::Priority::Batch,
+    }
+}
+
+#[tonic::async_trait]
+impl pb::session_server::Session for SessionService {
+    async fn attach(&self, req: Request<pb::AttachRequest>) -> Result<Response<pb::AttachResponse>, Status> {
+        let who = caller(&req)?;
+        let r = req.into_inner();
+        let geometry = geometry_from_pb(r.geometry)?;
+        let priority = priority_from_pb(r.priority)?;
+        let g = self.daemon.attach(who, geometry, r.model_id, priority)?;
+        Ok(Response::new(pb::AttachResponse {
+            session_id: g.session_id,
+            fd_token: g.fd_token.to_vec(),
+            fd_token_ttl_ms: self.daemon.config.fd_token_ttl.as_millis() as u32,
+            arena_bytes: g.arena_bytes,
+            table_bytes: g.table_bytes,
+            client_region_bytes: g.client_region_bytes,
+            page_bytes: g.geometry.page_bytes(),
+            blocks_per_layer: g.geometry.blocks_per_layer(),
+            geometry: Some(geometry_to_pb(&g.geometry)),
+        }))
+    }
+
+    async fn extend(&self, req: Request<pb::ExtendRequest>) -> Result<Response<pb::ExtendResponse>, Status> {
+        let who = caller(&req)?;
+        let r = req.into_inner();
+        let span = tracing::debug_span!("extend", session = r.session_id);
+        let _enter = span.enter();
+        let (allocated_blocks, device_bytes) = self.daemon.extend(who, r.session_id, r.blocks)?;
+        Ok(Response::new(pb::ExtendResponse { allocated_blocks, device_bytes }))
+    }
+
+    async fn prefetch(&self, req: Request<pb::PrefetchRequest>) -> Result<Response<pb::PrefetchResponse>, Status> {
+        let who = caller(&req)?;
+        let r = req.into_inner();
+        let layers = r.first_layer..r.first_layer.saturating_add(r.layers);
+        let blocks = r.first_block..r.first_block.saturating_add(r.blocks);
+        let (resident_pages, scheduled_pages) = self.daemon.prefetch(who, r.session_id, layers, blocks)?;
+        Ok(Response::new(pb::PrefetchResponse { resident_pages, scheduled_pages }))
+    }
+
+    async fn fault(&self, req: Request<pb::FaultRequest>) -> Result<Response<pb::FaultResponse>, Status> {
+        let who = caller(&req)?;
+        let r = req.into_inner();
+        let pages: Vec<(u32, u32)> = r.pages.iter().map(|p| (p.layer, p.block)).collect();
+        let out = self.daemon.fault(who, r.session_id, &pages)?;
+        Ok(Response::new(pb::FaultResponse {
+            pages: out
+                .into_iter()
+                .map(|p| pb::PageResidency {
+                    page: Some(pb::PageRef { layer: p.layer, block: p.block }),
+                    resident: p.resident,
+                    tier: if p.resident { pb::Tier::Device } else { pb::Tier::Unspecified } as i32,
+                    generation: p.generation,
+                })
+                .collect(),
+        }))
+    }
+
+    async fn detach(&self, req: Request<pb::DetachRequest>) -> Result<Response<pb::DetachResponse>, Status> {
+        let who = caller(&req)?;
+        let bytes_wiped = self.daemon.detach(who, req.into_inner().session_id)?;
+        Ok(Response::new(pb::DetachResponse { bytes_wiped }))
+    }
+
+    async fn session_stats(
+        &self,
+        req: Request<pb::SessionStatsRequest>,
+    ) -> Result<Response<pb::SessionStatsResponse>, Status> {
+        let who = caller(&req)?;
+        let s = self.daemon.session_stats(who, req.into_inner().session_id)?;
+        Ok(Response::new(pb::SessionStatsResponse {
+            session_id: s.session_id,
+            geometry: Some(geometry_to_pb(&s.geometry)),
+            model_id: s.model_id,
+            priority: priority_to_pb(s.priority) as i32,
+            allocated_blocks: s.allocated_blocks,
+            tokens: s.tokens,
+            device_bytes: s.device_bytes,
+            pages_moved: s.counters.moves,
+            faults: s.counters.faults,
+            prefetches: s.counters.prefetches,
+        }))
+    }
+}

@@ -1,0 +1,95 @@
+//! Sessions: one sequence of one client, with its geometry, owner, authoritative page table and the
+//! shared-memory views it publishes.
+
+pub mod page_table;
+pub mod registry;
+
+use std::time::Instant;
+
+use kvmm_shm::{ClientRegion, Geometry, Memfd, SessionTable};
+
+pub use page_table::PageTable;
+pub use registry::Registry;
+
+use crate::server::conn::ConnId;
+
+/// Who owns a session: the peer credentials of the gRPC connection that attached it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Owner {
+    /// `SO_PEERCRED` uid; selects the trust domain (arena).
+    pub uid: u32,
+    /// `SO_PEERCRED` gid.
+    pub gid: u32,
+    /// `SO_PEERCRED` pid; the fd token is only honoured from this pid.
+    pub pid: i32,
+    /// The connection that attached; when it closes, the session is destroyed.
+    pub conn: ConnId,
+}
+
+/// Scheduling class (used by policy later; reported in stats now).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Priority {
+    /// Interactive work; demoted last.
+    Foreground,
+    /// Work that can wait.
+    Background,
+    /// Bulk work; demoted first.
+    Batch,
+}
+
+/// Per-session counters, written by the daemon under the core lock.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Counters {
+    /// Pages moved between frames.
+    pub moves: u64,
+    /// Pages named in `Fault` requests.
+    pub faults: u64,
+    /// Pages named in `Prefetch` hints.
+    pub prefetches: u64,
+}
+
+/// One attached session.
+#[derive(Debug)]
+pub struct Session {
+    /// Daemon-wide unique id, never reused while the daemon runs.
+    pub id: u64,
+    /// Owner, fixed at attach.
+    pub owner: Owner,
+    /// Geometry, validated at attach and fixed.
+    pub geometry: Geometry,
+    /// Free-text model id from the client, for stats.
+    pub model_id: String,
+    /// Scheduling class.
+    pub priority: Priority,
+    /// The daemon's read-write view of the shared session table; published from `pages`.
+    pub table: SessionTable,
+    /// The table memfd, handed to the client once over the fd socket; dropped with the session.
+    pub table_memfd: Memfd,
+    /// The daemon's view of the client-written region (pins, token counts, importance).
+    pub region: ClientRegion,
+    /// The client-region memfd, handed out with the table.
+    pub region_memfd: Memfd,
+    /// The authoritative page table.
+    pub pages: PageTable,
+    /// Counters for stats.
+    pub counters: Counters,
+    /// When the session was attached.
+    pub attached_at: Instant,
+}
+
+impl Session {
+    /// Tokens the client has published, taken as the minimum over layers (a layer is only complete
+    /// up to its own count). Client-written values are clamped to the page size.
+    pub fn tokens(&self) -> u64 {
+        let bt = self.geometry.block_tokens;
+        let blocks = self.pages.allocated_blocks();
+        (0..self.geometry.layers)
+            .map(|layer| {
+                (0..blocks)
+                    .map(|b| self.region.entry(layer, b).map_or(0, |e| u64::from(e.tokens_clamped(bt))))
+                    .sum::<u64>()
+            })
+            .min()
+            .unwrap_or(0)
+    }
+}

@@ -1,0 +1,238 @@
+//! Writing and reading token rows of a 16-bit page.
+//!
+//! Rows arrive the way a model produces them, token-major: `k[(t × kv_heads + h) × head_dim + d]` for
+//! token `t` of the batch, KV head `h`, channel `d` (the same for `v`). They are scattered into the
+//! page layout of [`crate::format::layout`]: keys transposed into channel-major order, values copied
+//! row by row.
+//!
+//! Conversion from `f32` rounds to nearest, ties to even, for both f16 and bf16 (the `half` crate's
+//! rule); values too large for f16 become ±infinity, NaN stays NaN. Raw f16 rows written into an f16
+//! page are copied bit for bit.
+//!
+//! Clients write into shared memory they mapped themselves, where no `&mut [u8]` exists yet:
+//! [`write_rows_raw`] takes a pointer and length and is the one place that builds the slice; every
+//! entry point then runs the same private writer.
+
+use half::{bf16, f16};
+
+use crate::error::KernelError;
+use crate::format::{Format, PageShape};
+
+/// An element type rows can be written from.
+trait RowElement: Copy {
+    /// The 16-bit pattern of `self` in `format`.
+    fn encode(self, format: Format) -> u16;
+}
+
+impl RowElement for f32 {
+    fn encode(self, format: Format) -> u16 {
+        match format {
+            Format::F16 => f16::from_f32(self).to_bits(),
+            Format::Bf16 => bf16::from_f32(self).to_bits(),
+        }
+    }
+}
+
+impl RowElement for f16 {
+    fn encode(self, format: Format) -> u16 {
+        match format {
+            Format::F16 => self.to_bits(),
+            // f16 → f32 is exact, so this rounds once, from the f16 value.
+            Format::Bf16 => bf16::from_f32(self.to_f32()).to_bits(),
+        }
+    }
+}
+
+/// Decodes one 16-bit element of `format` to `f32` (exact for both formats).
+pub(crate) fn decode(format: Format, bits: u16) -> f32 {
+    match format {
+        Format::F16 => f16::from_bits(bits).to_f32(),
+        Format::Bf16 => bf16::from_bits(bits).to_f32(),
+    }
+}
+
+/// Checks row lengths against the shape and the token range against the page; returns the number of
+/// tokens the rows hold.
+fn check_rows(
+    shape: PageShape,
+    format: Format,
+    page_len: usize,
+    first_token: usize,
+    k_len: usize,
+    v_len: usize,
+) -> Result<usize, KernelError> {
+    shape.check_page(format, page_len)?;
+    let row = shape.kv_heads * shape.head_dim;
+    for (which, len) in [("keys", k_len), ("values", v_len)] {
+        if len % row != 0 {
+            return Err(KernelError::RowLength { which, got: len, kv_heads: shape.kv_heads, head_dim: shape.head_dim });
+        }
+    }
+    if k_len != v_len {
+        return Err(KernelError::KeyValueMismatch { k_len, v_len });
+    }
+    let count = k_len / row;
+    if first_token.checked_add(count).is_none_or(|end| end > shape.block_tokens) {
+        return Err(KernelError::TokenRange { first: first_token, count, block_tokens: shape.block_tokens });
+    }
+    Ok(count)
+}
+
+fn store(page: &mut [u8], index: usize, bits: u16) {
+    page[2 * index..2 * index + 2].copy_from_slice(&bits.to_le_bytes());
+}
+
+fn load(page: &[u8], index: usize) -> u16 {
+    u16::from_le_bytes([page[2 * index], page[2 * index + 1]])
+}
+
+/// The one row writer behind every public entry point.
+fn write_rows_impl<E: RowElement>(
+    shape: PageShape,
+    format: Format,
+    page: &mut [u8],
+    first_token: usize,
+    k: &[E],
+    v: &[E],
+) -> Result<(), KernelError> {
+    let count = check_rows(shape, format, page.len(), first_token, k.len(), v.len())?;
+    let (heads, dim) = (shape.kv_heads, shape.head_dim);
+    for i in 0..count {
+        let slot = first_token + i;
+        for h in 0..heads {
+            let row = (i * heads + h) * dim;
+            for d in 0..dim {
+                store(page, shape.k_index(h, d, slot), k[row + d].encode(format));
+                store(page, shape.v_index(h, slot, d), v[row + d].encode(format));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes `n` tokens of `f32` key and value rows into token slots `first_token..first_token + n` of
+/// `page`, rounding to nearest-even in `format`.
+///
+/// `k` and `v` each hold `n × kv_heads × head_dim` floats, token-major
+/// (`k[(t × kv_heads + h) × head_dim + d]`). Slots outside the range are left untouched.
+pub fn write_rows(
+    shape: PageShape,
+    format: Format,
+    page: &mut [u8],
+    first_token: usize,
+    k: &[f32],
+    v: &[f32],
+) -> Result<(), KernelError> {
+    write_rows_impl(shape, format, page, first_token, k, v)
+}
+
+/// Like [`write_rows`] but from raw f16 rows: copied bit for bit into an f16 page, rounded once to
+/// bf16 for a bf16 page.
+pub fn write_rows_f16(
+    shape: PageShape,
+    format: Format,
+    page: &mut [u8],
+    first_token: usize,
+    k: &[f16],
+    v: &[f16],
+) -> Result<(), KernelError> {
+    write_rows_impl(shape, format, page, first_token, k, v)
+}
+
+/// [`write_rows`] into memory given by pointer and length, for pages in a mapping the caller made.
+///
+/// # Safety
+///
+/// `ptr` must be valid for reads and writes of `len` bytes for the whole call, and nothing else may
+/// read or write those bytes while it runs: no reference to them in this process, and no other
+/// process writing them (a tail page the caller owns, or a page it has pinned for writing).
+pub unsafe fn write_rows_raw(
+    ptr: *mut u8,
+    len: usize,
+    shape: PageShape,
+    format: Format,
+    first_token: usize,
+    k: &[f32],
+    v: &[f32],
+) -> Result<(), KernelError> {
+    // SAFETY: the caller guarantees `ptr..ptr + len` is valid for reads and writes and not accessed
+    // by anyone else during this call, which is what a `&mut [u8]` of that extent requires.
+    let page = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+    write_rows_impl(shape, format, page, first_token, k, v)
+}
+
+/// [`write_rows_f16`] into memory given by pointer and length.
+///
+/// # Safety
+///
+/// The same contract as [`write_rows_raw`]: `ptr` valid for reads and writes of `len` bytes, and no
+/// other access to those bytes while the call runs.
+pub unsafe fn write_rows_f16_raw(
+    ptr: *mut u8,
+    len: usize,
+    shape: PageShape,
+    format: Format,
+    first_token: usize,
+    k: &[f16],
+    v: &[f16],
+) -> Result<(), KernelError> {
+    // SAFETY: the caller guarantees `ptr..ptr + len` is valid for reads and writes and not accessed
+    // by anyone else during this call, which is what a `&mut [u8]` of that extent requires.
+    let page = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+    write_rows_impl(shape, format, page, first_token, k, v)
+}
+
+/// Reads `n` tokens starting at slot `token` back into `f32` rows, in the same token-major order
+/// [`write_rows`] takes (`n` = `k_out.len() / (kv_heads × head_dim)`). For tests and debugging.
+pub fn read_rows(
+    shape: PageShape,
+    format: Format,
+    page: &[u8],
+    token: usize,
+    k_out: &mut [f32],
+    v_out: &mut [f32],
+) -> Result<(), KernelError> {
+    let count = check_rows(shape, format, page.len(), token, k_out.len(), v_out.len())?;
+    let (heads, dim) = (shape.kv_heads, shape.head_dim);
+    for i in 0..count {
+        let slot = token + i;
+        for h in 0..heads {
+            let row = (i * heads + h) * dim;
+            for d in 0..dim {
+                k_out[row + d] = decode(format, load(page, shape.k_index(h, d, slot)));
+                v_out[row + d] = decode(format, load(page, shape.v_index(h, slot, d)));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TINY: PageShape = PageShape { kv_heads: 2, head_dim: 3, block_tokens: 4 };
+
+    #[test]
+    fn one_token_lands_channel_major_in_k_and_row_major_in_v() {
+        let mut page = vec![0u8; TINY.page_bytes(Format::F16)];
+        let k: Vec<f32> = (1..=6).map(|x| x as f32).collect();
+        let v: Vec<f32> = (11..=16).map(|x| x as f32).collect();
+        write_rows(TINY, Format::F16, &mut page, 2, &k, &v).unwrap();
+        // Head 1, channel 2 of the key is k[1 * 3 + 2] = 6.0, at slot 2 of that channel's run.
+        let idx = TINY.k_index(1, 2, 2);
+        assert_eq!(load(&page, idx), f16::from_f32(6.0).to_bits());
+        assert_eq!(load(&page, TINY.v_index(1, 2, 0)), f16::from_f32(14.0).to_bits());
+        // Nothing else in slot 1 or 3 was touched.
+        assert_eq!(load(&page, TINY.k_index(1, 2, 1)), 0);
+        assert_eq!(load(&page, TINY.k_index(1, 2, 3)), 0);
+    }
+
+    #[test]
+    fn rows_past_the_last_slot_are_rejected() {
+        let mut page = vec![0u8; TINY.page_bytes(Format::Bf16)];
+        let rows = vec![0.0f32; 2 * 6];
+        let err = write_rows(TINY, Format::Bf16, &mut page, 3, &rows, &rows).unwrap_err();
+        assert_eq!(err, KernelError::TokenRange { first: 3, count: 2, block_tokens: 4 });
+    }
+}

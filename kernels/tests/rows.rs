@@ -1,0 +1,128 @@
+//! Row writes and reads: round trips, the rounding rule, and the layout seen from outside.
+
+use half::{bf16, f16};
+use kvmm_kernels::{Format, KernelError, PageShape, read_rows, write_rows, write_rows_f16, write_rows_raw};
+use proptest::prelude::*;
+
+const SHAPE: PageShape = PageShape { kv_heads: 2, head_dim: 16, block_tokens: 8 };
+
+fn bits_at(page: &[u8], index: usize) -> u16 {
+    u16::from_le_bytes([page[2 * index], page[2 * index + 1]])
+}
+
+/// Writes `x` as key channel 0 of head 0 at slot 0 and returns the stored bits.
+fn stored_bits(format: Format, x: f32) -> u16 {
+    let shape = PageShape { kv_heads: 1, head_dim: 1, block_tokens: 1 };
+    let mut page = vec![0u8; shape.page_bytes(format)];
+    write_rows(shape, format, &mut page, 0, &[x], &[x]).unwrap();
+    bits_at(&page, shape.k_index(0, 0, 0))
+}
+
+#[test]
+fn f32_to_f16_rounds_to_nearest_even() {
+    let ulp = 2f32.powi(-10);
+    // Halfway between 1.0 (even) and 1 + ulp (odd): to 1.0.
+    assert_eq!(stored_bits(Format::F16, 1.0 + ulp / 2.0), 0x3c00);
+    // Halfway between 1 + ulp (odd) and 1 + 2 ulp (even): up.
+    assert_eq!(stored_bits(Format::F16, 1.0 + 1.5 * ulp), 0x3c02);
+    // Just above halfway rounds up.
+    assert_eq!(stored_bits(Format::F16, 1.0 + ulp / 2.0 + 2f32.powi(-20)), 0x3c01);
+    // 65520 is halfway between the largest f16 (65504) and 65536: ties to even overflow to +inf.
+    assert_eq!(stored_bits(Format::F16, 65520.0), 0x7c00);
+    assert_eq!(stored_bits(Format::F16, 65519.0), 0x7bff);
+    assert_eq!(stored_bits(Format::F16, -0.0), 0x8000);
+    assert!(f16::from_bits(stored_bits(Format::F16, f32::NAN)).is_nan());
+}
+
+#[test]
+fn f32_to_bf16_rounds_to_nearest_even() {
+    let ulp = 2f32.powi(-7);
+    assert_eq!(stored_bits(Format::Bf16, 1.0 + ulp / 2.0), 0x3f80);
+    assert_eq!(stored_bits(Format::Bf16, 1.0 + 1.5 * ulp), 0x3f82);
+    assert_eq!(stored_bits(Format::Bf16, 1.0 + ulp / 2.0 + 2f32.powi(-20)), 0x3f81);
+    assert_eq!(stored_bits(Format::Bf16, f32::INFINITY), 0x7f80);
+    assert!(bf16::from_bits(stored_bits(Format::Bf16, f32::NAN)).is_nan());
+}
+
+#[test]
+fn raw_f16_rows_are_copied_bit_for_bit() {
+    let row: Vec<f16> = (0..32).map(|i| f16::from_bits(0x3c00 + i as u16 * 7)).collect();
+    let mut page = vec![0u8; SHAPE.page_bytes(Format::F16)];
+    write_rows_f16(SHAPE, Format::F16, &mut page, 5, &row, &row).unwrap();
+    for h in 0..2 {
+        for d in 0..16 {
+            let want = row[h * 16 + d].to_bits();
+            assert_eq!(bits_at(&page, SHAPE.k_index(h, d, 5)), want);
+            assert_eq!(bits_at(&page, SHAPE.v_index(h, 5, d)), want);
+        }
+    }
+}
+
+#[test]
+fn raw_pointer_writes_equal_slice_writes() {
+    let k: Vec<f32> = (0..96).map(|i| i as f32 * 0.37 - 9.0).collect();
+    let v: Vec<f32> = k.iter().map(|x| -x).collect();
+    let mut by_slice = vec![0u8; SHAPE.page_bytes(Format::Bf16)];
+    write_rows(SHAPE, Format::Bf16, &mut by_slice, 2, &k, &v).unwrap();
+    let mut by_pointer = vec![0u8; SHAPE.page_bytes(Format::Bf16)];
+    // SAFETY: the pointer and length come from a live Vec that nothing else touches during the call.
+    unsafe {
+        write_rows_raw(by_pointer.as_mut_ptr(), by_pointer.len(), SHAPE, Format::Bf16, 2, &k, &v).unwrap();
+    }
+    assert_eq!(by_slice, by_pointer);
+}
+
+#[test]
+fn rows_past_the_page_are_refused_and_leave_it_untouched() {
+    let mut page = vec![0xaau8; SHAPE.page_bytes(Format::F16)];
+    let rows = vec![1.0f32; 3 * 32];
+    let err = write_rows(SHAPE, Format::F16, &mut page, 6, &rows, &rows).unwrap_err();
+    assert_eq!(err, KernelError::TokenRange { first: 6, count: 3, block_tokens: 8 });
+    assert_eq!(err.to_string(), "tokens 6..9 do not fit in a page of block_tokens = 8; start a new page at token 8");
+    assert!(page.iter().all(|&b| b == 0xaa));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn rows_written_then_read_come_back_rounded_once(
+        kv_heads in 1usize..=4,
+        head_dim in 1usize..=40,
+        block_log in 0u32..=6,
+        first_frac in 0.0f64..1.0,
+        bf in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let format = if bf { Format::Bf16 } else { Format::F16 };
+        let shape = PageShape { kv_heads, head_dim, block_tokens: 1 << block_log };
+        let first = ((shape.block_tokens as f64) * first_frac) as usize;
+        let count = 1 + (seed as usize % (shape.block_tokens - first));
+        let row = kv_heads * head_dim;
+        let k: Vec<f32> = (0..count * row)
+            .map(|i| ((i as u64).wrapping_mul(seed | 1) % 20_000) as f32 * 0.013 - 130.0)
+            .collect();
+        let v: Vec<f32> = k.iter().map(|x| x * -0.5 + 1.0).collect();
+        let mut page = vec![0u8; shape.page_bytes(format)];
+        write_rows(shape, format, &mut page, first, &k, &v).unwrap();
+        let mut k_back = vec![0.0; k.len()];
+        let mut v_back = vec![0.0; v.len()];
+        read_rows(shape, format, &page, first, &mut k_back, &mut v_back).unwrap();
+        let round = |x: f32| match format {
+            Format::F16 => f16::from_f32(x).to_f32(),
+            _ => bf16::from_f32(x).to_f32(),
+        };
+        for (orig, back) in k.iter().zip(&k_back).chain(v.iter().zip(&v_back)) {
+            prop_assert_eq!(round(*orig).to_bits(), back.to_bits());
+        }
+        // Slots outside the written range stay zero.
+        for t in (0..first).chain(first + count..shape.block_tokens) {
+            for h in 0..kv_heads {
+                for d in 0..head_dim {
+                    prop_assert_eq!(bits_at(&page, shape.k_index(h, d, t)), 0);
+                    prop_assert_eq!(bits_at(&page, shape.v_index(h, t, d)), 0);
+                }
+            }
+        }
+    }
+}

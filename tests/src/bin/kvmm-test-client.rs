@@ -1,0 +1,345 @@
+//! `kvmm-test-client`: a real client process for the scenarios in `tests/tests/`.
+//!
+//! It speaks a line protocol: it prints `key=value` report lines on stdout and takes commands on
+//! stdin. Every attention output is compared with a scalar reference computed in f64 over the same
+//! K/V, which the process keeps privately (rounded to the session's element type, as stored). A
+//! mismatch prints `FAIL ...` and exits 3; an error from kvmm prints `error code=... msg=...` and
+//! exits 2.
+//!
+//! Modes:
+//! - `run [geometry] --tokens N`: attach, append N tokens to every layer with attention on every layer
+//!   at every step, print `appended ...`, then obey commands: `check K`, `append K`, `loop` (attention
+//!   rounds until `stop`), `stats`, `exit`.
+//! - `append-forever [geometry]`: append and attend until killed, printing `progress tokens=T`.
+//! - `raw-attach [geometry] [--fetch]`: Attach over gRPC without the library; print the session id
+//!   and token (and, with --fetch, the received arena's inode), then wait for `exit`.
+//! - `fd-request --session S --token HEX`: present a token on the fd socket; print the reply.
+//! - `foreign --session S`: from another uid, try every session RPC on S and print the codes.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::io::BufRead;
+use std::os::fd::AsFd;
+use std::path::PathBuf;
+use std::sync::mpsc;
+
+use kvmm_client::{AttachOptions, Client, ElementType, Geometry, Session, proto as pb};
+use kvmm_kernels::attention::reference::reference_attention_f32;
+use kvmm_shm::fdpass::{FdReply, FdRequest, SeqpacketConn};
+
+struct Args(HashMap<String, String>);
+
+impl Args {
+    fn parse(args: &[String]) -> Args {
+        let mut m = HashMap::new();
+        let mut i = 0;
+        while i < args.len() {
+            let key = args[i].trim_start_matches("--").to_owned();
+            if i + 1 < args.len() && !args[i + 1].starts_with("--") {
+                m.insert(key, args[i + 1].clone());
+                i += 2;
+            } else {
+                m.insert(key, "true".to_owned());
+                i += 1;
+            }
+        }
+        Args(m)
+    }
+    fn get<T: std::str::FromStr>(&self, k: &str, default: T) -> T {
+        self.0.get(k).and_then(|v| v.parse().ok()).unwrap_or(default)
+    }
+    fn flag(&self, k: &str) -> bool {
+        self.0.contains_key(k)
+    }
+    fn socket(&self) -> PathBuf {
+        PathBuf::from(self.0.get("socket").expect("--socket is required"))
+    }
+    fn geometry(&self) -> Geometry {
+        Geometry {
+            layers: self.get("layers", 2),
+            kv_heads: self.get("kv-heads", 3),
+            q_heads: self.get("q-heads", 9),
+            head_dim: self.get("head-dim", 64),
+            block_tokens: self.get("block-tokens", 32),
+            element_type: if self.flag("bf16") { ElementType::Bf16 } else { ElementType::F16 },
+            max_tokens: self.get("max-tokens", 4096),
+        }
+    }
+}
+
+/// xorshift64*: deterministic K/V/q per seed.
+struct Rng(u64);
+impl Rng {
+    fn f(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let x = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+}
+
+fn round_to(et: ElementType, x: f32) -> f32 {
+    match et {
+        ElementType::Bf16 => half::bf16::from_f32(x).to_f32(),
+        _ => half::f16::from_f32(x).to_f32(),
+    }
+}
+
+fn die(e: kvmm_client::Error) -> ! {
+    println!("error code={:?} msg={}", e.code(), e.to_string().replace('\n', " "));
+    std::process::exit(2);
+}
+
+/// A session plus the private copy of its K/V.
+struct Checked {
+    session: Session,
+    g: Geometry,
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    rng: Rng,
+    attentions: u64,
+    worst: f64,
+}
+
+impl Checked {
+    fn append(&mut self, n: usize, attend: bool) {
+        let row = (self.g.kv_heads * self.g.head_dim) as usize;
+        for _ in 0..n {
+            for layer in 0..self.g.layers {
+                let k = self.rng.vec(row);
+                let v = self.rng.vec(row);
+                self.session.append(layer, &k, &v).unwrap_or_else(|e| die(e));
+                let et = self.g.element_type;
+                self.keys[layer as usize].extend(k.iter().map(|&x| round_to(et, x)));
+                self.values[layer as usize].extend(v.iter().map(|&x| round_to(et, x)));
+                if attend {
+                    self.attend(layer);
+                }
+            }
+        }
+    }
+
+    fn attend(&mut self, layer: u32) {
+        let g = self.g;
+        let n = (g.q_heads * g.head_dim) as usize;
+        let q = self.rng.vec(n);
+        let mut out = vec![0f32; n];
+        self.session.attention(layer, &q, &mut out).unwrap_or_else(|e| die(e));
+        let mut want = vec![0f32; n];
+        let scale = 1.0 / (g.head_dim as f32).sqrt();
+        reference_attention_f32(
+            g.q_heads as usize,
+            g.kv_heads as usize,
+            g.head_dim as usize,
+            &q,
+            &self.keys[layer as usize],
+            &self.values[layer as usize],
+            scale,
+            &mut want,
+        )
+        .unwrap();
+        let (mut diff, mut norm) = (0f64, 0f64);
+        for (a, b) in out.iter().zip(&want) {
+            diff += f64::from(a - b).powi(2);
+            norm += f64::from(*b).powi(2);
+        }
+        let rel = (diff / norm.max(1e-30)).sqrt();
+        self.worst = self.worst.max(rel);
+        self.attentions += 1;
+        if rel.is_nan() || rel > 1e-3 {
+            println!(
+                "FAIL layer={layer} tokens={} rel_err={rel:e} out0={} want0={}",
+                self.session.tokens(layer),
+                out[0],
+                want[0]
+            );
+            std::process::exit(3);
+        }
+    }
+
+    fn round(&mut self) {
+        for layer in 0..self.g.layers {
+            self.attend(layer);
+        }
+    }
+
+    fn report(&self, what: &str) {
+        let s = self.session.stats().unwrap_or_else(|e| die(e));
+        println!(
+            "{what} session={} tokens={} device_bytes={} moved={} attentions={} worst_rel_err={:e}",
+            self.session.id(),
+            s.tokens,
+            s.device_bytes,
+            s.pages_moved,
+            self.attentions,
+            self.worst
+        );
+    }
+}
+
+fn stdin_lines() -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+fn run(a: &Args, forever: bool) {
+    let client = Client::connect(a.socket()).unwrap_or_else(|e| die(e));
+    let g = a.geometry();
+    let opts = AttachOptions { extend_batch: a.get("extend-batch", 4), ..Default::default() };
+    let session = client.attach_with(g, opts).unwrap_or_else(|e| die(e));
+    let mut c = Checked {
+        session,
+        g,
+        keys: vec![Vec::new(); g.layers as usize],
+        values: vec![Vec::new(); g.layers as usize],
+        rng: Rng(a.get("seed", 1u64) | 1),
+        attentions: 0,
+        worst: 0.0,
+    };
+    println!("attached session={}", c.session.id());
+    if forever {
+        loop {
+            c.append(64, true);
+            println!("progress tokens={}", c.session.tokens(0));
+        }
+    }
+    c.append(a.get("tokens", 100), !a.flag("no-attend"));
+    c.report("appended");
+    let lines = stdin_lines();
+    while let Ok(line) = lines.recv() {
+        let mut words = line.split_whitespace();
+        match (words.next(), words.next().and_then(|w| w.parse::<usize>().ok())) {
+            (Some("check"), Some(k)) => {
+                for _ in 0..k {
+                    c.round();
+                }
+                c.report("checked");
+            }
+            (Some("append"), Some(k)) => {
+                c.append(k, true);
+                c.report("appended");
+            }
+            (Some("loop"), _) => {
+                let mut rounds = 0u64;
+                while lines.try_recv().is_err() {
+                    c.round();
+                    rounds += 1;
+                }
+                c.report(&format!("looped rounds={rounds}"));
+            }
+            (Some("bad-query"), _) => {
+                let mut out = vec![0f32; (g.q_heads * g.head_dim) as usize];
+                match c.session.attention(0, &[0.0; 3], &mut out) {
+                    Ok(()) => println!("unexpected ok"),
+                    Err(e) => println!("error code={:?} msg={}", e.code(), e),
+                }
+            }
+            (Some("stats"), _) => c.report("stats"),
+            (Some("exit"), _) => break,
+            _ => println!("unknown command {line}"),
+        }
+    }
+    let wiped = c.session.detach().unwrap_or_else(|e| die(e));
+    println!("detached bytes={wiped}");
+}
+
+fn to_hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn from_hex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2).map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap()).collect()
+}
+
+fn fd_request(
+    fd_socket: &std::path::Path,
+    session: u64,
+    token: &[u8],
+) -> Result<Vec<std::os::fd::OwnedFd>, (u32, String)> {
+    let conn = SeqpacketConn::connect(fd_socket).unwrap();
+    conn.set_timeouts(std::time::Duration::from_secs(5)).unwrap();
+    conn.send(&FdRequest { session_id: session, token: token.try_into().unwrap() }.encode(), &[]).unwrap();
+    let mut buf = [0u8; 2048];
+    let (n, fds) = conn.recv(&mut buf).unwrap();
+    match FdReply::decode(&buf[..n]).unwrap() {
+        FdReply::Granted { .. } => Ok(fds),
+        FdReply::Refused { code, message } => Err((code, message)),
+    }
+}
+
+fn inode(fd: &impl AsFd) -> u64 {
+    rustix::fs::fstat(fd).unwrap().st_ino
+}
+
+fn raw_attach(a: &Args) {
+    let client = Client::connect(a.socket()).unwrap_or_else(|e| die(e));
+    let g = a.geometry();
+    let mut rpc = client.rpc();
+    let r = client
+        .block_on(rpc.attach(pb::AttachRequest {
+            geometry: Some(kvmm_client::session::geometry_to_pb(&g)),
+            model_id: "raw".into(),
+            priority: 0,
+        }))
+        .unwrap_or_else(|e| die(e.into()))
+        .into_inner();
+    let mut line = format!("attached session={} token={}", r.session_id, to_hex(&r.fd_token));
+    if a.flag("fetch") {
+        let fds = fd_request(&a.socket().with_file_name("kvmm-fd.sock"), r.session_id, &r.fd_token).unwrap();
+        line += &format!(" arena_ino={} arena_bytes={}", inode(&fds[0]), r.arena_bytes);
+    }
+    println!("{line}");
+    for l in stdin_lines() {
+        if l == "exit" {
+            break;
+        }
+    }
+}
+
+fn main() {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let (mode, rest) = argv.split_first().expect("usage: kvmm-test-client MODE [--key value]...");
+    let a = Args::parse(rest);
+    match mode.as_str() {
+        "run" => run(&a, false),
+        "append-forever" => run(&a, true),
+        "raw-attach" => raw_attach(&a),
+        "fd-request" => {
+            let token = from_hex(a.0.get("token").expect("--token"));
+            match fd_request(&a.socket().with_file_name("kvmm-fd.sock"), a.get("session", 0), &token) {
+                Ok(fds) => println!("granted fds={} arena_ino={}", fds.len(), inode(&fds[0])),
+                Err((code, msg)) => println!("refused code={code} msg={msg}"),
+            }
+        }
+        "foreign" => foreign(&a),
+        other => panic!("unknown mode {other}"),
+    }
+}
+
+/// From another uid: every session RPC on someone else's session must be refused.
+fn foreign(a: &Args) {
+    let client = Client::connect(a.socket()).unwrap_or_else(|e| die(e));
+    let session_id: u64 = a.get("session", 0);
+    let mut rpc = client.rpc();
+    let code = |r: Result<(), tonic::Status>| r.err().map_or("Ok".to_owned(), |s| format!("{:?}", s.code()));
+    let extend = client.block_on(rpc.extend(pb::ExtendRequest { session_id, blocks: 1 })).map(|_| ());
+    let stats = client.block_on(rpc.session_stats(pb::SessionStatsRequest { session_id })).map(|_| ());
+    let fault = client
+        .block_on(rpc.fault(pb::FaultRequest { session_id, pages: vec![pb::PageRef { layer: 0, block: 0 }] }))
+        .map(|_| ());
+    let detach = client.block_on(rpc.detach(pb::DetachRequest { session_id })).map(|_| ());
+    println!("foreign extend={} stats={} fault={} detach={}", code(extend), code(stats), code(fault), code(detach));
+}

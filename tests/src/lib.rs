@@ -1,0 +1,264 @@
+//! Harness for multi-process scenarios: starts the real `kvmmd` binary in a private runtime
+//! directory, spawns real client processes (`kvmm-test-client`), and reads the daemon's admin status.
+//!
+//! Every scenario runs its own daemon in its own temporary directory, so scenarios can run in
+//! parallel and never touch `/run/kvmm`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use kvmm_proto::v1::admin_client::AdminClient;
+use kvmm_proto::v1::{StatusRequest, StatusResponse};
+
+/// Path of a binary of this workspace: `$<NAME>_BIN` (upper case, `-` as `_`), else the binary in the
+/// target directory this test was built into (`cargo test --workspace` builds every binary).
+pub fn workspace_bin(name: &str) -> PathBuf {
+    let var = format!("{}_BIN", name.to_uppercase().replace('-', "_"));
+    if let Some(p) = std::env::var_os(&var) {
+        return PathBuf::from(p);
+    }
+    // Integration tests live in target/<profile>/deps/; binaries in target/<profile>/.
+    let exe = std::env::current_exe().expect("current exe");
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>");
+    let bin = profile_dir.join(name);
+    assert!(
+        bin.exists(),
+        "{} does not exist: run the tests with `cargo test --workspace` (which builds it) or set {var}",
+        bin.display()
+    );
+    bin
+}
+
+/// Path of the kvmmd binary.
+pub fn kvmmd_bin() -> PathBuf {
+    workspace_bin("kvmmd")
+}
+
+/// A running kvmmd in a private runtime directory. Dropping it kills the daemon.
+#[derive(Debug)]
+pub struct Daemon {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    log: PathBuf,
+}
+
+impl Daemon {
+    /// Starts kvmmd with `--runtime-dir` in a fresh directory plus `args`, and waits for its sockets.
+    pub fn start(args: &[&str]) -> Daemon {
+        let dir = tempfile::Builder::new().prefix("kvmm-test-").tempdir().unwrap();
+        // Other uids (the isolation scenario) must reach the sockets inside.
+        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let log = dir.path().join("kvmmd.log");
+        let child = Command::new(kvmmd_bin())
+            .arg("--runtime-dir")
+            .arg(dir.path())
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("spawn kvmmd");
+        let d = Daemon { child: Some(child), dir, log };
+        d.wait_for_sockets();
+        d
+    }
+
+    fn wait_for_sockets(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let names = ["kvmm.sock", "kvmm-fd.sock", "kvmm-admin.sock"];
+        while !names.iter().all(|n| self.dir.path().join(n).exists()) {
+            assert!(Instant::now() < deadline, "kvmmd did not bind its sockets in 20 s; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Admin status answers once the servers run.
+        while std::panic::catch_unwind(|| self.status()).is_err() {
+            assert!(Instant::now() < deadline, "kvmmd did not answer status in 20 s; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The runtime directory.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The session socket.
+    pub fn socket(&self) -> PathBuf {
+        self.dir.path().join("kvmm.sock")
+    }
+
+    /// The daemon's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The daemon's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
+    /// Admin `Status`.
+    pub fn status(&self) -> StatusResponse {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let channel = kvmm_client::connect::channel(&self.dir.path().join("kvmm-admin.sock")).await.unwrap();
+            AdminClient::new(channel).status(StatusRequest {}).await.unwrap().into_inner()
+        })
+    }
+
+    /// Device-tier bytes in use.
+    pub fn device_used(&self) -> u64 {
+        self.status().tiers[0].used_bytes
+    }
+
+    /// Polls `status` until `pred` holds or `timeout` passes; returns the last status and the time taken.
+    pub fn wait_status(&self, timeout: Duration, pred: impl Fn(&StatusResponse) -> bool) -> (StatusResponse, Duration) {
+        let start = Instant::now();
+        loop {
+            let s = self.status();
+            if pred(&s) || start.elapsed() > timeout {
+                return (s, start.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Sends a signal to the daemon.
+    pub fn signal(&self, sig: rustix::process::Signal) {
+        rustix::process::kill_process(rustix::process::Pid::from_raw(self.pid() as i32).unwrap(), sig).unwrap();
+    }
+
+    /// Sends SIGTERM and waits for the exit status (at most 15 s).
+    pub fn stop(mut self) -> ExitStatus {
+        self.signal(rustix::process::Signal::TERM);
+        wait_timeout(self.child.as_mut().unwrap(), Duration::from_secs(15))
+            .expect("kvmmd did not exit within 15 s of SIGTERM")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take()
+            && c.try_wait().ok().flatten().is_none()
+        {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Waits for a child with a timeout.
+pub fn wait_timeout(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A running `kvmm-test-client` process that speaks a line protocol on stdin/stdout.
+#[derive(Debug)]
+pub struct Worker {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    /// Every line read so far, for failure messages.
+    pub transcript: Vec<String>,
+}
+
+impl Worker {
+    /// Spawns the test client with `args`.
+    pub fn spawn(bin: &Path, args: &[String]) -> Worker {
+        Self::spawn_cmd(Command::new(bin).args(args))
+    }
+
+    /// Spawns a prepared command (e.g. with another uid).
+    pub fn spawn_cmd(cmd: &mut Command) -> Worker {
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn test client");
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        Worker { child, stdin, stdout, transcript: Vec::new() }
+    }
+
+    /// Reads lines until one starts with `prefix`; returns the rest of it. Panics on EOF.
+    pub fn expect_line(&mut self, prefix: &str) -> String {
+        loop {
+            let mut line = String::new();
+            let n = self.stdout.read_line(&mut line).unwrap();
+            assert!(n > 0, "test client exited before printing '{prefix}'; transcript:\n{}", self.transcript.join(""));
+            self.transcript.push(line.clone());
+            if let Some(rest) = line.trim_end().strip_prefix(prefix) {
+                return rest.trim().to_owned();
+            }
+        }
+    }
+
+    /// Sends one line on stdin.
+    pub fn send(&mut self, line: &str) {
+        writeln!(self.stdin, "{line}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    /// The child's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILLs the process.
+    pub fn kill9(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    /// Waits for exit (at most `timeout`) and returns the status.
+    pub fn wait(&mut self, timeout: Duration) -> ExitStatus {
+        wait_timeout(&mut self.child, timeout).unwrap_or_else(|| {
+            let _ = self.child.kill();
+            panic!("test client did not exit within {timeout:?}; transcript:\n{}", self.transcript.join(""))
+        })
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Parses `key=value` pairs of a report line.
+pub fn fields(line: &str) -> std::collections::HashMap<String, String> {
+    line.split_whitespace().filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned()))).collect()
+}
+
+/// The test client binary built with this crate.
+pub fn client_bin() -> PathBuf {
+    workspace_bin("kvmm-test-client")
+}
+
+/// Arguments for a `kvmm-test-client` mode against a daemon.
+pub fn client_args(mode: &str, daemon: &Daemon, extra: &[&str]) -> Vec<String> {
+    let mut v = vec![mode.to_owned(), "--socket".to_owned(), daemon.socket().display().to_string()];
+    v.extend(extra.iter().map(|s| (*s).to_owned()));
+    v
+}
+
+/// Spawns a `kvmm-test-client` in `mode` against `daemon`.
+pub fn spawn_client(mode: &str, daemon: &Daemon, extra: &[&str]) -> Worker {
+    Worker::spawn(&client_bin(), &client_args(mode, daemon, extra))
+}
