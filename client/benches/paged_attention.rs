@@ -151,15 +151,13 @@ fn main() {
         .configure_from_args();
     // The summary runs under `cargo bench` only, not under `cargo test` or `--profile-time`.
     let args: Vec<String> = std::env::args().collect();
-    let benchmarking =
-        args.iter().any(|a| a == "--bench") && !args.iter().any(|a| a == "--profile-time");
+    let benchmarking = args.iter().any(|a| a == "--bench") && !args.iter().any(|a| a == "--profile-time");
     let cases: Vec<Case> = MODELS.iter().map(Case::new).collect();
 
     for case in &cases {
         let mut group = criterion.benchmark_group(format!("paged_attention/{}", case.label));
         group.throughput(Throughput::Bytes(case.private.len() as u64));
-        let mut attention = DecodeAttention::new(case.shape, &case.q, case.scale)
-            .expect("shape and query are valid");
+        let mut attention = DecodeAttention::new(case.shape, &case.q, case.scale).expect("shape and query are valid");
         let mut out = vec![0.0; case.shape.q_heads * case.shape.head_dim];
         let mut mass = vec![0.0; PAGES];
         group.bench_function("private_contiguous", |b| {
@@ -182,20 +180,15 @@ fn main() {
         "case", "KV MiB", "(a) private GB/s", "(b) shared GB/s", "(b)/(a) time"
     );
     for case in &cases {
-        let mut attention = DecodeAttention::new(case.shape, &case.q, case.scale)
-            .expect("shape and query are valid");
+        let mut attention = DecodeAttention::new(case.shape, &case.q, case.scale).expect("shape and query are valid");
         let mut out = vec![0.0; case.shape.q_heads * case.shape.head_dim];
         let mut mass = vec![0.0; PAGES];
         // Interleaved rounds, so both see the same machine state; medians of the rounds' medians.
         let mut private = Vec::new();
         let mut shared = Vec::new();
         for _ in 0..5 {
-            private.push(median_seconds(7, || {
-                case.attend(&mut attention, case.private_pages(), &mut out, &mut mass)
-            }));
-            shared.push(median_seconds(7, || {
-                case.attend(&mut attention, case.shared_pages(), &mut out, &mut mass)
-            }));
+            private.push(median_seconds(7, || case.attend(&mut attention, case.private_pages(), &mut out, &mut mass)));
+            shared.push(median_seconds(7, || case.attend(&mut attention, case.shared_pages(), &mut out, &mut mass)));
         }
         private.sort_by(f64::total_cmp);
         shared.sort_by(f64::total_cmp);

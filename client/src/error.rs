@@ -18,7 +18,10 @@ pub enum Error {
     },
     /// The daemon refused or failed a request; its message says why.
     #[error("kvmmd: {}", .0.message())]
-    Rpc(#[from] tonic::Status),
+    Rpc(tonic::Status),
+    /// The connection to the daemon broke (it stopped, restarted or crashed).
+    #[error("the connection to kvmmd was lost ({0}); it stopped or restarted: reconnect and attach again")]
+    Disconnected(String),
     /// The daemon refused to hand out the session's memfds.
     #[error("kvmmd refused the memfds: {message}")]
     FdRefused {
@@ -56,12 +59,25 @@ impl Error {
     /// The gRPC code that describes this error.
     pub fn code(&self) -> Code {
         match self {
-            Error::Connect { .. } => Code::Unavailable,
+            Error::Connect { .. } | Error::Disconnected(_) => Code::Unavailable,
             Error::Rpc(s) => s.code(),
             Error::FdRefused { code, .. } => *code,
             Error::InvalidArgument(_) | Error::Kernel(_) => Code::InvalidArgument,
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::Protocol(_) | Error::Shm(_) | Error::Io { .. } => Code::Internal,
+        }
+    }
+}
+
+impl From<tonic::Status> for Error {
+    /// A status the daemon sent stays as it is; one that tonic made up because the connection broke
+    /// becomes [`Error::Disconnected`].
+    fn from(s: tonic::Status) -> Self {
+        let transport = std::error::Error::source(&s).is_some_and(|e| e.is::<tonic::transport::Error>());
+        if transport || (s.code() == Code::Unknown && s.message().contains("transport error")) {
+            Error::Disconnected(s.message().to_owned())
+        } else {
+            Error::Rpc(s)
         }
     }
 }

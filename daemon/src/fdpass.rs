@@ -150,7 +150,7 @@ fn handle(daemon: &Daemon, conn: &SeqpacketConn) {
         let peer = conn.peer_cred()?;
         conn.set_timeouts(REQUEST_TIMEOUT)?;
         let request = conn.recv_request().map_err(|e| match e.kind() {
-            ShmErrorKind::Malformed => Error::InvalidArgument(format!("malformed fd request: {e}")),
+            ShmErrorKind::Malformed => Error::InvalidArgument(e.to_string()),
             _ => Error::Shm(e),
         })?;
         daemon.grant_fds(peer, &request)

@@ -4,9 +4,10 @@
 //!   token-major — and row writes ([`write_rows`], [`write_rows_raw`] for memory the caller mapped)
 //!   and reads ([`read_rows`]).
 //! - [`attention`]: fused paged decode attention for one query token, fed one page at a time
-//!   ([`DecodeAttention`], or [`decode_attention`] over a slice of pages), with a scalar reference and
-//!   AVX2, AVX-512 and NEON kernels chosen at run time ([`Isa`]); [`attention::reference`] is a dense
-//!   `f64` ground truth for tests.
+//!   ([`DecodeAttention`]; [`DecodeAttention::page_prefetching`] also names the page that comes next,
+//!   so its memory reads overlap this page's arithmetic), or [`decode_attention`] over a slice of
+//!   pages, with a scalar reference and AVX2, AVX-512 and NEON kernels chosen at run time ([`Isa`]);
+//!   [`attention::reference`] is a dense `f64` ground truth for tests.
 //! - [`error`]: [`KernelError`], the one error type.
 //!
 //! No I/O, no async, no allocation on the per-page path. `unsafe` lives only in the per-ISA kernel

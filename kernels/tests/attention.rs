@@ -38,7 +38,7 @@ fn formats() -> impl Strategy<Value = Format> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
 
     #[test]
     fn every_available_kernel_matches_the_scalar_kernel(
@@ -174,6 +174,35 @@ fn decode_attention_over_a_slice_equals_feeding_pages_one_by_one() {
     decode_attention(shape, &q, 0.088, &views, &mut out, &mut mass).unwrap();
     assert_eq!(out, want_out);
     assert_eq!(mass, want_mass);
+}
+
+#[test]
+fn prefetch_hints_never_change_the_result() {
+    let shape = AttnShape { q_heads: 12, kv_heads: 3, head_dim: 64, block_tokens: 32 };
+    let paged = Paged::random(shape, Format::F16, 150, 5, Fill::Poison);
+    let q = random_query(shape, 5);
+    let views = paged.views();
+    let empty: &[u8] = &[];
+    for isa in Isa::available() {
+        let (want_out, want_mass) = run(isa, shape, &q, 0.125, &views);
+        // The true next page, an empty slice, and an unrelated short buffer are all just hints.
+        for hint in 0..3 {
+            let mut attention = DecodeAttention::with_isa(isa, shape, &q, 0.125).unwrap();
+            for (i, page) in views.iter().enumerate() {
+                let next = match hint {
+                    0 => views.get(i + 1).map_or(empty, |v| v.bytes),
+                    1 => empty,
+                    _ => &paged.pages[0][..7],
+                };
+                attention.page_prefetching(*page, next).unwrap();
+            }
+            let mut out = vec![0.0; want_out.len()];
+            let mut mass = vec![0.0; views.len()];
+            attention.finish(&mut out, &mut mass).unwrap();
+            assert_eq!(out, want_out, "{isa}, hint {hint}");
+            assert_eq!(mass, want_mass, "{isa}, hint {hint}");
+        }
+    }
 }
 
 #[test]

@@ -14,7 +14,7 @@ fn bits_at(page: &[u8], index: usize) -> u16 {
 fn stored_bits(format: Format, x: f32) -> u16 {
     let shape = PageShape { kv_heads: 1, head_dim: 1, block_tokens: 1 };
     let mut page = vec![0u8; shape.page_bytes(format)];
-    write_rows(shape, format, &mut page, 0, &[x], &[x]).unwrap();
+    write_rows(shape, format, &mut page, 0, &[x], &[x]).expect("one element fits a one-slot page");
     bits_at(&page, shape.k_index(0, 0, 0))
 }
 

@@ -133,11 +133,36 @@ impl Daemon {
         rustix::process::kill_process(rustix::process::Pid::from_raw(self.pid() as i32).unwrap(), sig).unwrap();
     }
 
-    /// Sends SIGTERM and waits for the exit status (at most 15 s).
-    pub fn stop(mut self) -> ExitStatus {
+    /// Sends SIGTERM, waits for the exit (at most 15 s), and reports what the daemon left behind
+    /// before its directory is removed.
+    pub fn stop(mut self) -> Stopped {
         self.signal(rustix::process::Signal::TERM);
-        wait_timeout(self.child.as_mut().unwrap(), Duration::from_secs(15))
-            .expect("kvmmd did not exit within 15 s of SIGTERM")
+        let status = wait_timeout(self.child.as_mut().unwrap(), Duration::from_secs(15))
+            .expect("kvmmd did not exit within 15 s of SIGTERM");
+        let leftover_sockets = ["kvmm.sock", "kvmm-fd.sock", "kvmm-admin.sock"]
+            .into_iter()
+            .filter(|n| self.dir.path().join(n).exists())
+            .map(str::to_owned)
+            .collect();
+        Stopped { status, log: self.log(), leftover_sockets }
+    }
+}
+
+/// How a daemon ended.
+#[derive(Debug)]
+pub struct Stopped {
+    /// Its exit status.
+    pub status: ExitStatus,
+    /// Its whole log.
+    pub log: String,
+    /// Socket files still present after it exited.
+    pub leftover_sockets: Vec<String>,
+}
+
+impl Stopped {
+    /// Exit 0 with every socket removed.
+    pub fn success(&self) -> bool {
+        self.status.success() && self.leftover_sockets.is_empty()
     }
 }
 

@@ -13,9 +13,36 @@ const GEOMETRIES: [&[&str]; 3] = [
     // SmolLM2-like heads: 9 query heads over 3 KV heads, head_dim 64, f16.
     &["--layers", "2", "--kv-heads", "3", "--q-heads", "9", "--head-dim", "64", "--block-tokens", "32", "--seed", "11"],
     // bf16, small pages.
-    &["--layers", "3", "--kv-heads", "2", "--q-heads", "8", "--head-dim", "32", "--block-tokens", "16", "--bf16", "--seed", "22"],
+    &[
+        "--layers",
+        "3",
+        "--kv-heads",
+        "2",
+        "--q-heads",
+        "8",
+        "--head-dim",
+        "32",
+        "--block-tokens",
+        "16",
+        "--bf16",
+        "--seed",
+        "22",
+    ],
     // One KV head, wide heads, large pages.
-    &["--layers", "2", "--kv-heads", "1", "--q-heads", "4", "--head-dim", "128", "--block-tokens", "64", "--seed", "33"],
+    &[
+        "--layers",
+        "2",
+        "--kv-heads",
+        "1",
+        "--q-heads",
+        "4",
+        "--head-dim",
+        "128",
+        "--block-tokens",
+        "64",
+        "--seed",
+        "33",
+    ],
 ];
 
 #[test]

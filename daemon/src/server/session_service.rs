@@ -35,7 +35,11 @@ pub fn caller<T>(req: &Request<T>) -> Result<ConnInfo, Status> {
 
 /// Converts a wire geometry, filling defaults; range checks happen in `Geometry::validate`.
 pub fn geometry_from_pb(g: Option<pb::Geometry>) -> Result<Geometry, Error> {
-    let g = g.ok_or_else(|| Error::InvalidArgument("Attach needs a geometry".to_owned()))?;
+    let g = g.ok_or_else(|| {
+        Error::InvalidArgument(
+            "Attach needs a geometry: layers, kv_heads, q_heads, head_dim, block_tokens and max_tokens".to_owned(),
+        )
+    })?;
     let element_type = match pb::ElementType::try_from(g.element_type) {
         Ok(pb::ElementType::Unspecified | pb::ElementType::F16) => kvmm_kernels::ElementType::F16,
         Ok(pb::ElementType::Bf16) => kvmm_kernels::ElementType::Bf16,

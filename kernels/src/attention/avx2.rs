@@ -121,16 +121,25 @@ unsafe fn page_in<const BF16: bool>(job: &PageJob<'_>, run: &mut Running<'_>) {
             g0 += heads;
         }
 
-        for g in 0..group {
-            let qh = first_q + g;
-            // SAFETY: row `g` of the scores holds `block ≥ padded` floats.
-            let (new_max, page_sum, alpha) =
-                unsafe { softmax(run.scores[g * block..].as_mut_ptr(), tokens, run.reference[qh]) };
-            run.sum[qh] = alpha * run.sum[qh] + page_sum;
-            run.reference[qh] = new_max;
-            run.page_ref[qh] = new_max;
-            run.page_sum[qh] = page_sum;
-            run.alpha[g] = alpha;
+        let mut g0 = 0;
+        while g0 < group {
+            let heads = (group - g0).min(MAX_TILE_HEADS);
+            let first = first_q + g0;
+            let mut step = SoftmaxStep::default();
+            step.reference[..heads].copy_from_slice(&run.reference[first..first + heads]);
+            let scores = run.scores[g0 * block..].as_mut_ptr();
+            // SAFETY: heads `g0..g0 + heads ≤ group` of the scores, each a row of `block ≥ padded`
+            // floats.
+            unsafe { with_heads!(heads, G => softmax::<G>(scores, block, tokens, &mut step)) };
+            for g in 0..heads {
+                let qh = first + g;
+                run.sum[qh] = step.alpha[g] * run.sum[qh] + step.page_sum[g];
+                run.reference[qh] = step.reference[g];
+                run.page_ref[qh] = step.reference[g];
+                run.page_sum[qh] = step.page_sum[g];
+                run.alpha[g0 + g] = step.alpha[g];
+            }
+            g0 += heads;
         }
 
         let mut g0 = 0;
@@ -260,17 +269,30 @@ fn reduce_add(x: __m256) -> f32 {
     _mm_cvtss_f32(x)
 }
 
-/// Softmax step of one head over `tokens` scores, in place: returns `(new_ref, page_sum, alpha)` and
-/// leaves `p_t = exp(s_t − new_ref)` in the scores (0 in the unfilled lanes of the last vector).
+/// The per-head values of one softmax step, for a tile of up to 4 heads.
+#[derive(Default)]
+struct SoftmaxStep {
+    /// In: the running reference of each head. Out: the reference after this page.
+    reference: [f32; MAX_TILE_HEADS],
+    /// Out: Σ exp(s − reference) over the page's filled tokens.
+    page_sum: [f32; MAX_TILE_HEADS],
+    /// Out: exp(old reference − new reference), the rescale of earlier sums.
+    alpha: [f32; MAX_TILE_HEADS],
+}
+
+/// Softmax step of `G` heads over `tokens` scores each, in place: leaves `p_t = exp(s_t − reference)`
+/// in the scores (0 in the unfilled lanes of the last vector) and fills `step`.
 ///
-/// The reference moves only when a filled score exceeds `old_ref + SLACK` (always on the first page,
-/// where `old_ref = −∞`); otherwise no max reduction and no `alpha` exponential are needed.
+/// A head's reference moves only when one of its filled scores exceeds the reference by more than
+/// `SLACK` (always on the first page, where it is −∞); otherwise no max reduction and no `alpha`
+/// exponential are needed. The heads are processed side by side so their `exp` chains overlap.
 ///
 /// # Safety
 ///
-/// `scores` must be valid for reading and writing `tokens.next_multiple_of(8)` floats.
+/// `scores` must point at `G` rows of `block` floats, each valid for reading and writing
+/// `tokens.next_multiple_of(8) ≤ block` floats.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn softmax(scores: *mut f32, tokens: usize, old_ref: f32) -> (f32, f32, f32) {
+unsafe fn softmax<const G: usize>(scores: *mut f32, block: usize, tokens: usize, step: &mut SoftmaxStep) {
     let full = tokens / LANES;
     let rest = tokens % LANES;
     let vectors = full + usize::from(rest != 0);
@@ -278,40 +300,51 @@ unsafe fn softmax(scores: *mut f32, tokens: usize, old_ref: f32) -> (f32, f32, f
     let all = lanes_below(LANES);
     // Lanes of vector `i` that hold filled tokens, as an all-ones/all-zeros lane mask.
     let filled = |i: usize| if i < full { all } else { tail };
+    // Vector `i` of row `g`; for `g < G` and `i < vectors` inside the caller's rows.
+    let at = |g: usize, i: usize| scores.wrapping_add(g * block + LANES * i);
     let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
 
-    let limit = _mm256_set1_ps(old_ref + SLACK);
-    let mut over = _mm256_setzero_ps();
+    let mut over = [_mm256_setzero_ps(); G];
     for i in 0..vectors {
-        // SAFETY: vector `i` lies within `tokens.next_multiple_of(8)` floats.
-        let s = unsafe { _mm256_loadu_ps(scores.add(LANES * i)) };
-        over = _mm256_or_ps(over, _mm256_and_ps(filled(i), _mm256_cmp_ps::<_CMP_GT_OQ>(s, limit)));
-    }
-    let (new_ref, alpha) = if _mm256_movemask_ps(over) == 0 {
-        (old_ref, 1.0)
-    } else {
-        let mut high = neg_inf;
-        for i in 0..vectors {
-            // SAFETY: as above.
-            let s = unsafe { _mm256_loadu_ps(scores.add(LANES * i)) };
-            high = _mm256_max_ps(high, _mm256_blendv_ps(neg_inf, s, filled(i)));
+        for (g, over) in over.iter_mut().enumerate() {
+            let limit = _mm256_set1_ps(step.reference[g] + SLACK);
+            // SAFETY: see `at`.
+            let s = unsafe { _mm256_loadu_ps(at(g, i)) };
+            *over = _mm256_or_ps(*over, _mm256_and_ps(filled(i), _mm256_cmp_ps::<_CMP_GT_OQ>(s, limit)));
         }
-        let new_ref = old_ref.max(reduce_max(high));
-        (new_ref, (old_ref - new_ref).exp())
-    };
+    }
+    for (g, over) in over.iter().enumerate() {
+        let old = step.reference[g];
+        step.alpha[g] = 1.0;
+        if _mm256_movemask_ps(*over) != 0 {
+            let mut high = neg_inf;
+            for i in 0..vectors {
+                // SAFETY: see `at`.
+                let s = unsafe { _mm256_loadu_ps(at(g, i)) };
+                high = _mm256_max_ps(high, _mm256_blendv_ps(neg_inf, s, filled(i)));
+            }
+            let new = old.max(reduce_max(high));
+            step.reference[g] = new;
+            step.alpha[g] = (old - new).exp();
+        }
+    }
 
-    let shift = _mm256_set1_ps(new_ref);
-    let mut total = _mm256_setzero_ps();
+    let mut total = [_mm256_setzero_ps(); G];
     for i in 0..vectors {
-        // SAFETY: as above.
-        unsafe {
-            let s = _mm256_loadu_ps(scores.add(LANES * i));
-            let p = _mm256_and_ps(filled(i), exp8(_mm256_sub_ps(s, shift)));
-            _mm256_storeu_ps(scores.add(LANES * i), p);
-            total = _mm256_add_ps(total, p);
+        for (g, total) in total.iter_mut().enumerate() {
+            let shift = _mm256_set1_ps(step.reference[g]);
+            // SAFETY: see `at`.
+            unsafe {
+                let s = _mm256_loadu_ps(at(g, i));
+                let p = _mm256_and_ps(filled(i), exp8(_mm256_sub_ps(s, shift)));
+                _mm256_storeu_ps(at(g, i), p);
+                *total = _mm256_add_ps(*total, p);
+            }
         }
     }
-    (new_ref, reduce_add(total), alpha)
+    for (g, total) in total.iter().enumerate() {
+        step.page_sum[g] = reduce_add(*total);
+    }
 }
 
 /// `exp` of 8 lanes, the scheme of `exp.rs`; lanes below `EXP_MIN` (and −∞) give exactly 0.

@@ -1,0 +1,108 @@
+//! kvmmd as an operator runs it: embedded defaults (as root and as an ordinary user), one daemon per
+//! directory, clear refusals for bad configuration, and a clean exit on SIGINT/SIGTERM that wipes
+//! sessions and removes the sockets.
+
+#![allow(clippy::unwrap_used)]
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvmm_tests::{Daemon, fields, kvmmd_bin, spawn_client, wait_timeout};
+
+fn wait_for(path: &std::path::Path) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !path.exists() {
+        assert!(Instant::now() < deadline, "{} did not appear", path.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_second_daemon_on_the_same_directory_refuses_to_start() {
+    let daemon = Daemon::start(&[]);
+    let out = Command::new(kvmmd_bin()).arg("--runtime-dir").arg(daemon.dir()).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("already serving") && err.contains(&daemon.pid().to_string()), "{err}");
+    println!("second kvmmd: {}", err.trim());
+    assert!(daemon.stop().success());
+}
+
+#[test]
+fn embedded_defaults_serve_from_runtime_directory_and_sigint_exits_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child =
+        Command::new(kvmmd_bin()).env("RUNTIME_DIRECTORY", dir.path()).stderr(Stdio::null()).spawn().unwrap();
+    wait_for(&dir.path().join("kvmm-admin.sock"));
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(child.id() as i32).unwrap(),
+        rustix::process::Signal::INT,
+    )
+    .unwrap();
+    let status = wait_timeout(&mut child, Duration::from_secs(15)).expect("exit on SIGINT");
+    assert!(status.success(), "{status:?}");
+    for s in ["kvmm.sock", "kvmm-fd.sock", "kvmm-admin.sock"] {
+        assert!(!dir.path().join(s).exists(), "{s} removed");
+    }
+}
+
+#[test]
+fn an_ordinary_user_gets_a_directory_under_xdg_runtime_dir() {
+    if !rustix::process::geteuid().is_root() || Command::new("setpriv").arg("--version").output().is_err() {
+        println!("skipped: needs root and setpriv to run kvmmd as an ordinary user");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::chown(dir.path(), Some(65534), Some(65534)).unwrap();
+    let mut child = Command::new("setpriv")
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups", "--"])
+        .arg(kvmmd_bin())
+        .env_remove("RUNTIME_DIRECTORY")
+        .env("XDG_RUNTIME_DIR", dir.path())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(&dir.path().join("kvmm").join("kvmm.sock"));
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(child.id() as i32).unwrap(),
+        rustix::process::Signal::TERM,
+    )
+    .unwrap();
+    assert!(wait_timeout(&mut child, Duration::from_secs(15)).unwrap().success());
+}
+
+#[test]
+fn a_configuration_with_an_unknown_key_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("kvmmd.toml");
+    std::fs::write(&config, "device_budget = \"64MiB\"\ncompaction_intervall_ms = 5\n").unwrap();
+    let out =
+        Command::new(kvmmd_bin()).arg("--config").arg(&config).arg("--runtime-dir").arg(dir.path()).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("compaction_intervall_ms") && err.contains("kvmmd.toml"), "{err}");
+
+    std::fs::write(&config, "device_budget = \"lots\"\n").unwrap();
+    let out =
+        Command::new(kvmmd_bin()).arg("--config").arg(&config).arg("--runtime-dir").arg(dir.path()).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("lots"), "{err}");
+}
+
+#[test]
+fn sigterm_with_a_live_session_wipes_it_and_exits_zero() {
+    let daemon = Daemon::start(&["--device-budget", "32MiB"]);
+    let mut w = spawn_client("run", &daemon, &["--tokens", "100"]);
+    let f = fields(&w.expect_line("appended"));
+    assert!(f["device_bytes"].parse::<u64>().unwrap() > 0);
+    let stopped = daemon.stop();
+    assert!(stopped.status.success(), "{stopped:?}");
+    assert!(stopped.leftover_sockets.is_empty(), "{stopped:?}");
+    let wiped = stopped.log.lines().find(|l| l.contains("all sessions wiped")).expect("the wipe is logged");
+    assert!(!wiped.contains("bytes=0"), "the live session's bytes were wiped: {wiped}");
+    w.send("stats");
+    let e = w.expect_line("error");
+    println!("client after the daemon stopped: {e}");
+    assert_eq!(fields(&e)["code"], "Unavailable", "{e}");
+    assert!(w.wait(Duration::from_secs(10)).code() == Some(2));
+}
