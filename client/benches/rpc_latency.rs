@@ -1,1 +1,127 @@
-fn main() {}
+//! RPC latency against a real kvmmd: `Extend` (one batch of one page for every layer) and `Attach`
+//! end to end (the RPC, the fd handshake over SCM_RIGHTS, and mapping the three memfds).
+//!
+//! ```text
+//! cargo build --release -p kvmm-daemon && cargo bench -p kvmm-client --bench rpc_latency
+//! ```
+//!
+//! kvmmd is taken from `$KVMMD_BIN`, else from the target directory beside this bench. Prints
+//! p50/p90/p99/max per operation.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvmm_client::{Client, ElementType, Geometry, proto as pb};
+
+fn kvmmd() -> PathBuf {
+    if let Some(p) = std::env::var_os("KVMMD_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(|d| d.parent()).unwrap();
+    let bin = dir.join("kvmmd");
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo build --release -p kvmm-daemon` first or set KVMMD_BIN",
+        bin.display()
+    );
+    bin
+}
+
+fn percentiles(name: &str, mut samples: Vec<Duration>) {
+    samples.sort_unstable();
+    let at = |p: f64| samples[((samples.len() - 1) as f64 * p).round() as usize];
+    println!(
+        "{name:<44} n={:<5} p50 {:>8.1} µs  p90 {:>8.1} µs  p99 {:>8.1} µs  max {:>8.1} µs",
+        samples.len(),
+        at(0.50).as_secs_f64() * 1e6,
+        at(0.90).as_secs_f64() * 1e6,
+        at(0.99).as_secs_f64() * 1e6,
+        samples[samples.len() - 1].as_secs_f64() * 1e6
+    );
+}
+
+fn main() {
+    // `cargo bench` passes --bench; a test run of benches passes nothing useful either way.
+    let dir = tempfile::tempdir().unwrap();
+    let mut daemon = Command::new(kvmmd())
+        .arg("--runtime-dir")
+        .arg(dir.path())
+        .args(["--device-budget", "2GiB", "--log", "warn"])
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let socket = dir.path().join("kvmm.sock");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !dir.path().join("kvmm-admin.sock").exists() {
+        assert!(Instant::now() < deadline, "kvmmd did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let client = Client::connect(&socket).unwrap();
+
+    // SmolLM2-135M: 30 layers, 3 KV heads, 9 query heads, head_dim 64: a 24 KiB page per layer.
+    let smollm2 = Geometry {
+        layers: 30,
+        kv_heads: 3,
+        q_heads: 9,
+        head_dim: 64,
+        block_tokens: 32,
+        element_type: ElementType::F16,
+        max_tokens: 8192,
+    };
+
+    let mut attach = Vec::new();
+    for _ in 0..300 {
+        let t = Instant::now();
+        let s = client.attach(smollm2).unwrap();
+        attach.push(t.elapsed());
+        s.detach().unwrap();
+    }
+    percentiles("Attach end to end (RPC + fds + 3 mappings)", attach);
+
+    let mut rpc = client.rpc();
+    let mut extend = Vec::new();
+    let mut cold = None;
+    while extend.len() < 4000 {
+        let s = client
+            .block_on(rpc.attach(pb::AttachRequest {
+                geometry: Some(kvmm_client::session::geometry_to_pb(&smollm2)),
+                model_id: "bench".into(),
+                priority: 0,
+            }))
+            .unwrap()
+            .into_inner();
+        for _ in 0..s.blocks_per_layer {
+            let t = Instant::now();
+            client.block_on(rpc.extend(pb::ExtendRequest { session_id: s.session_id, blocks: 1 })).unwrap();
+            extend.push(t.elapsed());
+        }
+        client.block_on(rpc.detach(pb::DetachRequest { session_id: s.session_id })).unwrap();
+        if cold.is_none() {
+            // The first session grows the arena: the daemon faults memory in, 2 MiB at a time.
+            cold = Some(std::mem::take(&mut extend));
+        }
+    }
+    percentiles("Extend, 1 block × 30 layers, cold arena", cold.unwrap());
+    percentiles("Extend, 1 block × 30 layers, frames reused", extend);
+
+    let mut stats = Vec::new();
+    let s = client.attach(smollm2).unwrap();
+    for _ in 0..2000 {
+        let t = Instant::now();
+        s.stats().unwrap();
+        stats.push(t.elapsed());
+    }
+    percentiles("SessionStats (RPC round trip floor)", stats);
+    drop(s);
+    drop(client);
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(daemon.id() as i32).unwrap(),
+        rustix::process::Signal::TERM,
+    )
+    .unwrap();
+    assert!(daemon.wait().unwrap().success());
+}

@@ -364,6 +364,7 @@ impl Session {
     ) -> Result<()> {
         let bt = self.geometry.block_tokens;
         let _pins = self.pin_layer(layer, pages)?;
+        let mut current: Option<PageView<'_>> = None;
         for block in 0..pages {
             let loc = self.table.entry(layer, block)?.location();
             let (offset, len) = self.checked(loc)?;
@@ -374,7 +375,13 @@ impl Session {
             // thread is the session's only writer and does not write during the call.
             let bytes = unsafe { self.arena.bytes(offset, len)? };
             let filled = if block + 1 == pages { tokens - block * bt } else { bt };
-            attn.page(PageView { bytes, format, tokens: filled as usize })?;
+            // Feed the previous page while prefetching this one: pages are scattered in the arena.
+            if let Some(prev) = current.replace(PageView { bytes, format, tokens: filled as usize }) {
+                attn.page_prefetching(prev, bytes)?;
+            }
+        }
+        if let Some(last) = current {
+            attn.page(last)?;
         }
         attn.write_output(out, mass)?;
         Ok(())

@@ -355,6 +355,24 @@ mod tests {
     }
 
     #[test]
+    fn the_example_file_parses_with_every_key_uncommented() {
+        let example = include_str!("../../systemd/kvmmd.toml.example");
+        FileConfig::parse(example).unwrap();
+        let uncommented: String = example
+            .lines()
+            .map(|l| match l.strip_prefix("# ") {
+                Some(rest) if rest.contains(" = ") => rest,
+                _ => l,
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let file = FileConfig::parse(&uncommented).unwrap();
+        assert_eq!(file.device_budget, Some(ByteSize::Bytes(4 << 30)));
+        assert_eq!(file.compaction.and_then(|c| c.interval_ms), Some(1000));
+        assert_eq!(file.admin_group.as_deref(), Some("kvmm-admin"));
+    }
+
+    #[test]
     fn mem_available_is_read_in_bytes() {
         let text = "MemTotal:       24684096 kB\nMemAvailable:   24397128 kB\n";
         assert_eq!(parse_mem_available(text), Some(24397128 * 1024));

@@ -75,6 +75,14 @@ impl TokenStore {
                 "the fd token of session {session} has expired; fetch the memfds right after Attach, or attach again"
             )));
         }
+        if peer.pid == 0 || rec.pid == 0 {
+            rec.used = true;
+            return Err(Error::PermissionDenied(format!(
+                "the process presenting the fd token of session {session} cannot be identified (pid 0: it runs \
+                 in another pid namespace), so the token is refused and revoked; run the client in kvmmd's pid \
+                 namespace"
+            )));
+        }
         if (peer.uid, peer.pid) != (rec.uid, rec.pid) {
             rec.used = true;
             return Err(Error::PermissionDenied(format!(
@@ -175,7 +183,8 @@ fn handle(daemon: &Daemon, conn: &SeqpacketConn) {
 }
 
 fn refuse(conn: &SeqpacketConn, e: &Error) {
-    tracing::info!(error = %e, "refused an fd request");
+    // Any local process can trigger this, so it stays out of the default log level.
+    tracing::debug!(error = %e, "refused an fd request");
     if let Err(send) = conn.send_reply(&FdReply::refused(status::code(e.kind()) as u32, e.to_string()), &[]) {
         tracing::debug!(error = %send, "could not send a refusal");
     }
@@ -208,6 +217,15 @@ mod tests {
         assert_eq!(err.kind(), crate::error::ErrorKind::PermissionDenied);
         assert!(err.to_string().contains("pid 43"));
         assert!(store.redeem(1, &t, peer(1000, 42), Instant::now()).is_err(), "a leaked token is burned");
+    }
+
+    #[test]
+    fn an_unidentifiable_process_never_matches() {
+        let mut store = TokenStore::default();
+        let t = store.issue(1, 0, 0, Duration::from_secs(10)).unwrap();
+        let err = store.redeem(1, &t, peer(0, 0), Instant::now()).unwrap_err();
+        assert_eq!(err.kind(), crate::error::ErrorKind::PermissionDenied);
+        assert!(err.to_string().contains("pid namespace"));
     }
 
     #[test]

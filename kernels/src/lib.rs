@@ -1,6 +1,6 @@
 //! `kvmm-kernels`: the bytes inside a KV page and the kernels that read them in place.
 //!
-//! - [`format`]: page [`Format`]s (ABI codes), the [`PageShape`] layout — keys channel-major, values
+//! - [`format`](mod@format): page [`Format`]s (ABI codes), the [`PageShape`] layout — keys channel-major, values
 //!   token-major — and row writes ([`write_rows`], [`write_rows_raw`] for memory the caller mapped)
 //!   and reads ([`read_rows`]).
 //! - [`attention`]: fused paged decode attention for one query token, fed one page at a time

@@ -93,6 +93,19 @@ pub enum GeometryError {
 }
 
 impl Geometry {
+    /// An f16 geometry with the default page size ([`DEFAULT_BLOCK_TOKENS`] tokens); not yet validated.
+    pub fn new(layers: u32, kv_heads: u32, q_heads: u32, head_dim: u32, max_tokens: u32) -> Geometry {
+        Geometry {
+            layers,
+            kv_heads,
+            q_heads,
+            head_dim,
+            block_tokens: DEFAULT_BLOCK_TOKENS,
+            element_type: ElementType::F16,
+            max_tokens,
+        }
+    }
+
     /// Checks every rule of the module table, reporting the first field that breaks one.
     pub fn validate(&self) -> Result<(), GeometryError> {
         if !(1..=MAX_LAYERS).contains(&self.layers) {

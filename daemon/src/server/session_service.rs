@@ -100,6 +100,7 @@ fn priority_to_pb(p: Priority) -> pb::Priority {
 impl pb::session_server::Session for SessionService {
     async fn attach(&self, req: Request<pb::AttachRequest>) -> Result<Response<pb::AttachResponse>, Status> {
         let who = caller(&req)?;
+        let _span = tracing::debug_span!("Attach", uid = who.uid, pid = who.pid).entered();
         let r = req.into_inner();
         let geometry = geometry_from_pb(r.geometry)?;
         let priority = priority_from_pb(r.priority)?;
@@ -120,8 +121,7 @@ impl pb::session_server::Session for SessionService {
     async fn extend(&self, req: Request<pb::ExtendRequest>) -> Result<Response<pb::ExtendResponse>, Status> {
         let who = caller(&req)?;
         let r = req.into_inner();
-        let span = tracing::debug_span!("extend", session = r.session_id);
-        let _enter = span.enter();
+        let _span = tracing::debug_span!("Extend", session = r.session_id).entered();
         let (allocated_blocks, device_bytes) = self.daemon.extend(who, r.session_id, r.blocks)?;
         Ok(Response::new(pb::ExtendResponse { allocated_blocks, device_bytes }))
     }
@@ -129,6 +129,7 @@ impl pb::session_server::Session for SessionService {
     async fn prefetch(&self, req: Request<pb::PrefetchRequest>) -> Result<Response<pb::PrefetchResponse>, Status> {
         let who = caller(&req)?;
         let r = req.into_inner();
+        let _span = tracing::debug_span!("Prefetch", session = r.session_id).entered();
         let layers = r.first_layer..r.first_layer.saturating_add(r.layers);
         let blocks = r.first_block..r.first_block.saturating_add(r.blocks);
         let (resident_pages, scheduled_pages) = self.daemon.prefetch(who, r.session_id, layers, blocks)?;
@@ -138,6 +139,7 @@ impl pb::session_server::Session for SessionService {
     async fn fault(&self, req: Request<pb::FaultRequest>) -> Result<Response<pb::FaultResponse>, Status> {
         let who = caller(&req)?;
         let r = req.into_inner();
+        let _span = tracing::debug_span!("Fault", session = r.session_id, pages = r.pages.len()).entered();
         let pages: Vec<(u32, u32)> = r.pages.iter().map(|p| (p.layer, p.block)).collect();
         let out = self.daemon.fault(who, r.session_id, &pages)?;
         Ok(Response::new(pb::FaultResponse {
@@ -155,7 +157,9 @@ impl pb::session_server::Session for SessionService {
 
     async fn detach(&self, req: Request<pb::DetachRequest>) -> Result<Response<pb::DetachResponse>, Status> {
         let who = caller(&req)?;
-        let bytes_wiped = self.daemon.detach(who, req.into_inner().session_id)?;
+        let session_id = req.into_inner().session_id;
+        let _span = tracing::debug_span!("Detach", session = session_id).entered();
+        let bytes_wiped = self.daemon.detach(who, session_id)?;
         Ok(Response::new(pb::DetachResponse { bytes_wiped }))
     }
 
@@ -164,7 +168,9 @@ impl pb::session_server::Session for SessionService {
         req: Request<pb::SessionStatsRequest>,
     ) -> Result<Response<pb::SessionStatsResponse>, Status> {
         let who = caller(&req)?;
-        let s = self.daemon.session_stats(who, req.into_inner().session_id)?;
+        let session_id = req.into_inner().session_id;
+        let _span = tracing::debug_span!("SessionStats", session = session_id).entered();
+        let s = self.daemon.session_stats(who, session_id)?;
         Ok(Response::new(pb::SessionStatsResponse {
             session_id: s.session_id,
             geometry: Some(geometry_to_pb(&s.geometry)),

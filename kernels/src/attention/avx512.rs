@@ -16,7 +16,8 @@
 //!    channels (or 8 heads × 32), loaded and rescaled by `alpha` once per page.
 //!
 //! While reading one KV head it prefetches the same offsets of the next (or of head 0 of the next
-//! page, when the caller names it) into L2, so memory reads overlap the arithmetic.
+//! page, when the caller names it) into L1 or L2 (see `prefetch.rs`), so memory reads overlap the
+//! arithmetic.
 //!
 //! Pages of 8 tokens (narrower than a vector) go to the AVX2 kernel, which the required features
 //! include.
@@ -31,6 +32,7 @@ use crate::format::Format;
 
 use super::exp::{EXP_FLOOR, EXP_MAX, LN2_HI, LN2_LO, LOG2E, P};
 use super::kernel::{PageJob, Running, SLACK};
+use super::prefetch::Prefetch;
 
 const LANES: usize = 16;
 /// Heads per score or value tile; larger groups take several tiles.
@@ -117,15 +119,15 @@ unsafe fn page_in<const BF16: bool>(job: &PageJob<'_>, run: &mut Running<'_>) {
         let first_q = kv * group;
         // SAFETY: `kv < kv_heads`, so both offsets start a head's block inside its region.
         let (k_head, v_head) = unsafe { (k_region.add(kv * head_bytes), v_region.add(kv * head_bytes)) };
-        // Prefetch targets (never dereferenced, so wrapping arithmetic): the next head's blocks, or
-        // head 0 of the next page, or, with nothing ahead, the current blocks (a harmless no-op).
+        // Prefetch targets (never dereferenced): the next head's blocks, or head 0 of the next page.
+        let ahead =
+            |k: *const u8, v: *const u8| (Prefetch::ahead(k, 2 * head_bytes), Prefetch::ahead(v, 2 * head_bytes));
         let (ahead_k, ahead_v) = if kv + 1 < shape.kv_heads {
-            (k_head.wrapping_add(head_bytes), v_head.wrapping_add(head_bytes))
+            ahead(k_head.wrapping_add(head_bytes), v_head.wrapping_add(head_bytes))
         } else if let Some(next) = job.next {
-            let base = next.as_ptr();
-            (base, base.wrapping_add(shape.kv_heads * head_bytes))
+            ahead(next.as_ptr(), next.as_ptr().wrapping_add(shape.kv_heads * head_bytes))
         } else {
-            (k_head, v_head)
+            (Prefetch::none(), Prefetch::none())
         };
 
         let mut g0 = 0;
@@ -140,7 +142,9 @@ unsafe fn page_in<const BF16: bool>(job: &PageJob<'_>, run: &mut Running<'_>) {
                 // this head's K block and every store in these heads' `block`-long score rows;
                 // `g0 + heads ≤ group` keeps q and score rows inside the group.
                 unsafe {
-                    let (k, s, pf) = (k_head.add(2 * t), out.add(t), ahead_k.wrapping_add(2 * t));
+                    let (k, s, pf) = (k_head.add(2 * t), out.add(t), ahead_k.offset(2 * t));
+                    // Only the first head tile prefetches; later tiles read the same rows.
+                    let pf = if g0 == 0 { pf } else { Prefetch::none() };
                     with_heads!(heads, G => if two {
                         score_tile::<G, 2, BF16>(k, block, dim, q, s, pf)
                     } else {
@@ -188,9 +192,9 @@ unsafe fn page_in<const BF16: bool>(job: &PageJob<'_>, run: &mut Running<'_>) {
                 // SAFETY: channels `c..c + 16 × vectors ≤ dim` of rows `t < tokens ≤ block` of this
                 // head's V block; heads `g0..g0 + heads ≤ group` of the scores, alpha and acc rows.
                 unsafe {
-                    let (v, a, pf) = (v_head.add(2 * c), acc.add(c), ahead_v.wrapping_add(2 * c));
+                    let (v, a, pf) = (v_head.add(2 * c), acc.add(c), ahead_v.offset(2 * c));
                     // Only the first head tile prefetches; later tiles read the same rows.
-                    let pf = if g0 == 0 { pf } else { std::ptr::null() };
+                    let pf = if g0 == 0 { pf } else { Prefetch::none() };
                     with_heads!(heads, G => match vectors {
                         4 => accumulate::<G, 4, BF16>(v, dim, tokens, p, block, alpha, a, pf),
                         2 => accumulate::<G, 2, BF16>(v, dim, tokens, p, block, alpha, a, pf),
@@ -201,19 +205,6 @@ unsafe fn page_in<const BF16: bool>(job: &PageJob<'_>, run: &mut Running<'_>) {
             }
             g0 += heads;
         }
-    }
-}
-
-/// Prefetches (into L2) the lines holding bytes `at`, `at + 64`, ... below `at + len`: any address,
-/// since a prefetch is a hint that never faults. Spans are prefetched back to back over a contiguous
-/// region, so a span that straddles a line boundary has its last line covered by the next span.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn prefetch_span(at: *const u8, len: usize) {
-    let mut offset = 0;
-    while offset < len {
-        _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(offset).cast());
-        offset += 64;
     }
 }
 
@@ -237,7 +228,7 @@ unsafe fn load16<const BF16: bool>(src: *const u8) -> __m512 {
 /// `k` points at token `t` of channel 0 of a channel-major K block with rows of `block` elements, and
 /// `16 × NV` elements from `k + d × block` are readable for every `d < dim`; `q` has `G` rows of
 /// `dim` floats; `out` has `G` rows of `block` floats with `16 × NV` writable from each row start.
-/// `ahead` is a prefetch target laid out like `k` (any address).
+/// `ahead` is a prefetch target laid out like `k`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn score_tile<const G: usize, const NV: usize, const BF16: bool>(
     k: *const u8,
@@ -245,11 +236,11 @@ unsafe fn score_tile<const G: usize, const NV: usize, const BF16: bool>(
     dim: usize,
     q: *const f32,
     out: *mut f32,
-    ahead: *const u8,
+    ahead: Prefetch,
 ) {
     let mut acc = [[_mm512_setzero_ps(); NV]; G];
     for d in 0..dim {
-        prefetch_span(ahead.wrapping_add(2 * d * block), 32 * NV);
+        ahead.span(2 * d * block, 32 * NV);
         // SAFETY: channel `d < dim` of the tile, `16 × NV` elements, readable per the contract; the
         // query reads are rows `g < G` at `d < dim`.
         unsafe {
@@ -376,7 +367,7 @@ fn exp16(x: __m512) -> __m512 {
 /// `16 × WC` elements are readable from `v + t × dim` for every `t < tokens`; `p` has `G` rows of
 /// `block ≥ tokens` floats; `alpha` has `G` floats; `acc` has `G` rows of `dim` floats with
 /// `16 × WC` readable and writable from each row start. `ahead` is a prefetch target laid out like
-/// `v` (any address), or null for none.
+/// `v`.
 #[expect(clippy::too_many_arguments, reason = "a register-tiled inner kernel; a struct would obscure it")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn accumulate<const G: usize, const WC: usize, const BF16: bool>(
@@ -387,7 +378,7 @@ unsafe fn accumulate<const G: usize, const WC: usize, const BF16: bool>(
     block: usize,
     alpha: *const f32,
     acc: *mut f32,
-    ahead: *const u8,
+    ahead: Prefetch,
 ) {
     let mut sums = [[_mm512_setzero_ps(); WC]; G];
     for (g, sums) in sums.iter_mut().enumerate() {
@@ -400,9 +391,7 @@ unsafe fn accumulate<const G: usize, const WC: usize, const BF16: bool>(
         }
     }
     for t in 0..tokens {
-        if !ahead.is_null() {
-            prefetch_span(ahead.wrapping_add(2 * t * dim), 32 * WC);
-        }
+        ahead.span(2 * t * dim, 32 * WC);
         // SAFETY: token row `t < tokens`, `16 × WC` elements, and `p[g][t]` with `t < block`.
         unsafe {
             let row = v.add(2 * t * dim);

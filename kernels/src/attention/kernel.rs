@@ -6,7 +6,7 @@
 //! ```text
 //!   for every query head qh, with kv = qh / group, and r = reference[qh]:
 //!     s_t     = q_qh · k_{kv,t}              for t < tokens   (q is already multiplied by scale)
-//!     r_new   = r                            if every s_t ≤ r + SLACK  (a kernel MAY skip this case)
+//!     r_new   = r                            if every s_t ≤ r + SLACK  (a kernel MAY take the max anyway)
 //!             = max(r, max_t s_t)            otherwise
 //!     alpha   = exp(r − r_new)               (0 when r = −∞, i.e. on the first page)
 //!     p_t     = exp(s_t − r_new)             (so p_t ≤ exp(SLACK): no overflow)
@@ -22,8 +22,9 @@
 //! same result up to rounding, since every term is taken relative to the same reference.
 //!
 //! Kernels MUST NOT let slots `t ≥ tokens` influence any output, whatever bytes they hold: a score of
-//! such a slot may be computed (lanes are independent) but is discarded by selection before the max
-//! and the sum, and its value row is never loaded into an accumulator. Kernels MUST NOT allocate.
+//! such a slot may be computed (lanes are independent) but is discarded by selection before the
+//! `SLACK` test, the max and the sum, and its value row is never loaded into an accumulator. Kernels
+//! MUST NOT allocate.
 //!
 //! Kernels that stream from memory prefetch one KV head ahead: while reading head `h` they prefetch
 //! the same offsets of head `h + 1`, and during the last head those of head 0 of `next`, so memory

@@ -16,9 +16,9 @@
 //! including NaN patterns from a reused frame, and never reach the output: their scores are replaced
 //! by selection, never multiplied by zero, and their values are never loaded into an accumulator.
 //!
-//! Implementations: [`scalar`] (the reference, straight from the definition), `avx2` (AVX2 + FMA +
+//! Implementations: `scalar` (the reference, straight from the definition), `avx2` (AVX2 + FMA +
 //! F16C), `avx512` (AVX-512F/BW/VL) and `neon`, chosen once per process by [`Isa::detect`] or forced
-//! with [`DecodeAttention::with_isa`]. [`reference`] is a dense `f64` reference that knows nothing
+//! with [`DecodeAttention::with_isa`]. [`reference`](mod@reference) is a dense `f64` reference that knows nothing
 //! of pages, the ground truth for tests.
 
 mod decode;
@@ -34,6 +34,8 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "aarch64")]
 mod neon;
+#[cfg(target_arch = "x86_64")]
+mod prefetch;
 
 pub use decode::{DecodeAttention, decode_attention};
 pub use isa::Isa;
