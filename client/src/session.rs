@@ -256,6 +256,9 @@ impl Session {
     /// Appends `n` tokens' K and V rows to `layer`. `k` and `v` each hold `n × kv_heads × head_dim`
     /// floats, token-major (`k[(t * kv_heads + h) * head_dim + d]`); they are stored as the session's
     /// element type. New pages are requested in batches, never one RPC per token.
+    ///
+    /// If a page cannot be had (`RESOURCE_EXHAUSTED`), the tokens that fit in pages already held stay
+    /// appended and [`Session::tokens`] says how many; the rest can be appended once room is made.
     pub fn append(&mut self, layer: u32, k: &[f32], v: &[f32]) -> Result<()> {
         self.check_layer(layer)?;
         let row = (self.geometry.kv_heads * self.geometry.head_dim) as usize;
@@ -420,13 +423,17 @@ impl Session {
     /// new pages' frames in this process's mapping.
     fn extend_to(&mut self, blocks: u32) -> Result<()> {
         let cap = self.geometry.blocks_per_layer();
-        let want = (blocks - self.allocated_blocks).max(self.extend_batch).min(cap - self.allocated_blocks);
+        let needed = blocks - self.allocated_blocks;
+        let batch = needed.max(self.extend_batch).min(cap - self.allocated_blocks);
         let mut rpc = self.inner.rpc.clone();
-        let r = self
-            .inner
-            .runtime
-            .block_on(rpc.extend(pb::ExtendRequest { session_id: self.id, blocks: want }))?
-            .into_inner();
+        let mut extend =
+            |n| self.inner.runtime.block_on(rpc.extend(pb::ExtendRequest { session_id: self.id, blocks: n }));
+        let r = match extend(batch) {
+            // A full batch may not fit where the pages needed now still do.
+            Err(s) if s.code() == tonic::Code::ResourceExhausted && batch > needed => extend(needed)?,
+            other => other?,
+        }
+        .into_inner();
         let old = self.allocated_blocks;
         self.allocated_blocks = r.allocated_blocks;
         self.prefault(old..r.allocated_blocks);
