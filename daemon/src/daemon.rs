@@ -50,6 +50,8 @@ pub struct Daemon {
     pub core: Mutex<Core>,
     /// Set once shutdown starts; from then on no new work is admitted.
     shutting_down: AtomicBool,
+    /// Wakes the prefaulter when an allocation may have raised a high-water mark.
+    pub prefault_wanted: tokio::sync::Notify,
     /// Start time, for uptime.
     pub started: Instant,
 }
@@ -151,6 +153,7 @@ impl Daemon {
                 moves_skipped_pinned: 0,
             }),
             shutting_down: AtomicBool::new(false),
+            prefault_wanted: tokio::sync::Notify::new(),
             started: Instant::now(),
         })
     }
@@ -197,6 +200,7 @@ impl Daemon {
         let mut core = self.core.lock();
         let core = &mut *core;
         let arena_bytes = core.pool.arena_for(caller.uid)?.memfd().len();
+        self.prefault_wanted.notify_one();
         let id = core.sessions.next_id();
         let (table_memfd, table) = SessionTable::create(id, &geometry)?;
         let (region_memfd, region) = ClientRegion::create(&geometry)?;
@@ -260,6 +264,7 @@ impl Daemon {
             });
         }
         s.pages.extend(blocks, &frames);
+        self.prefault_wanted.notify_one();
         tracing::debug!(session = session_id, blocks, total = s.pages.allocated_blocks(), "extended");
         Ok((s.pages.allocated_blocks(), s.pages.bytes()))
     }

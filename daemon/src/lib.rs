@@ -12,6 +12,7 @@ pub mod error;
 pub mod fdpass;
 pub mod migrate;
 pub mod pool;
+pub mod prefault;
 pub mod runtime_dir;
 pub mod server;
 pub mod session;

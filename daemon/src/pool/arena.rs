@@ -1,9 +1,13 @@
 //! One trust domain's arena: a sealed memfd sized to the device budget, mapped by the daemon and by
 //! that uid's clients, carved into frames by an [`ExtentAllocator`].
 //!
-//! Memory is faulted in by the daemon in [`POPULATE_CHUNK`] steps as the high-water mark rises
-//! (first touch costs ~0.6 s/GiB, so it is done once, off the client's path), and frames are reused.
-//! Every frame is zeroed when it is freed, so a new frame never shows an earlier session's bytes.
+//! Memory is faulted in ahead of demand by the daemon's prefaulter ([`Arena::next_prefault`]), in
+//! [`POPULATE_CHUNK`] steps outside the core lock, so that first touch (~0.6 s/GiB) is paid neither on
+//! an RPC nor by a client; frames are reused. Populating is only ever a speed-up: an untouched part of
+//! the memfd reads as zero and is faulted in by whoever touches it first. Every frame is zeroed when
+//! it is freed, so a new frame never shows an earlier session's bytes.
+
+use std::sync::Arc;
 
 use kvmm_shm::{Access, Mapping, Memfd, Seals};
 
@@ -12,6 +16,19 @@ use crate::error::Result;
 
 /// Granularity with which the daemon faults arena memory in.
 pub const POPULATE_CHUNK: u64 = 2 << 20;
+
+/// Work for the prefaulter: fault `start..end` of an arena in, outside the core lock.
+#[derive(Debug, Clone)]
+pub struct PrefaultJob {
+    /// The arena's owner.
+    pub uid: u32,
+    /// The daemon's mapping (kept alive by the job even if the arena goes).
+    pub map: Arc<Mapping>,
+    /// First byte to fault in.
+    pub start: u64,
+    /// One past the last byte.
+    pub end: u64,
+}
 
 /// A frame: the extent of the arena that holds one page.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,11 +53,11 @@ pub struct Arena {
     uid: u32,
     /// The memfd handed to clients; sealed against resizing so no client can cause SIGBUS.
     memfd: Memfd,
-    /// The daemon's read-write mapping of the whole arena.
-    map: Mapping,
+    /// The daemon's read-write mapping of the whole arena; shared with the prefaulter.
+    map: Arc<Mapping>,
     /// Which extents are frames.
     frames: ExtentAllocator,
-    /// Bytes from offset 0 that the daemon has faulted in; only grows.
+    /// Bytes from offset 0 that the prefaulter has faulted in; only grows.
     populated: u64,
 }
 
@@ -50,7 +67,7 @@ impl Arena {
         let memfd = Memfd::create(&format!("kvmm-arena-uid{uid}"), capacity)?;
         memfd.seal(Seals::SHRINK | Seals::GROW | Seals::SEAL)?;
         let map = Mapping::map(&memfd, Access::ReadWrite)?;
-        Ok(Arena { uid, memfd, map, frames: ExtentAllocator::new(capacity), populated: 0 })
+        Ok(Arena { uid, memfd, map: Arc::new(map), frames: ExtentAllocator::new(capacity), populated: 0 })
     }
 
     /// The owning uid.
@@ -84,32 +101,32 @@ impl Arena {
     }
 
     /// Allocates a zeroed frame for `len` bytes, or `None` when no hole fits.
-    pub fn alloc(&mut self, len: u64) -> Result<Option<Frame>> {
-        match self.frames.alloc(len) {
-            Some(offset) => self.finish_alloc(Frame { offset, len }).map(Some),
-            None => Ok(None),
-        }
+    pub fn alloc(&mut self, len: u64) -> Option<Frame> {
+        self.frames.alloc(len).map(|offset| Frame { offset, len })
     }
 
     /// Allocates the frame at exactly `offset` for `len` bytes (a planned compaction move), if free.
-    pub fn alloc_at(&mut self, offset: u64, len: u64) -> Result<Option<Frame>> {
-        if self.frames.alloc_at(offset, len) { self.finish_alloc(Frame { offset, len }).map(Some) } else { Ok(None) }
+    pub fn alloc_at(&mut self, offset: u64, len: u64) -> Option<Frame> {
+        self.frames.alloc_at(offset, len).then_some(Frame { offset, len })
     }
 
-    fn finish_alloc(&mut self, frame: Frame) -> Result<Frame> {
-        let end = frame.offset + frame.footprint();
-        if end > self.populated {
-            let target = end.div_ceil(POPULATE_CHUNK) * POPULATE_CHUNK;
-            let target = target.min(self.map.len() as u64);
-            if let Err(e) =
-                self.map.populate(self.populated as usize, (target - self.populated) as usize, Access::ReadWrite)
-            {
-                self.frames.free(frame.offset, frame.len);
-                return Err(e.into());
-            }
-            self.populated = target;
-        }
-        Ok(frame)
+    /// The next range to fault in so that `headroom` bytes beyond the high-water mark are populated,
+    /// at most `max_step` bytes of it; `None` when there is enough.
+    pub fn next_prefault(&self, headroom: u64, max_step: u64) -> Option<PrefaultJob> {
+        let cap = self.map.len() as u64;
+        let want = (self.frames.high_water() + headroom).div_ceil(POPULATE_CHUNK) * POPULATE_CHUNK;
+        let want = want.min(cap);
+        (want > self.populated).then(|| PrefaultJob {
+            uid: self.uid,
+            map: self.map.clone(),
+            start: self.populated,
+            end: want.min(self.populated + max_step.max(POPULATE_CHUNK)),
+        })
+    }
+
+    /// Records that `..end` has been faulted in.
+    pub fn mark_populated(&mut self, end: u64) {
+        self.populated = self.populated.max(end);
     }
 
     /// Zeroes a frame and returns it to the allocator.
@@ -124,5 +141,29 @@ impl Arena {
         debug_assert_eq!(from.len, to.len);
         self.map.copy_within(from.offset as usize, to.offset as usize, from.len as usize)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefaulter_stays_a_headroom_ahead_of_the_high_water_mark() {
+        let mut a = Arena::create(4242, 64 << 20).unwrap();
+        let job = a.next_prefault(4 << 20, 2 << 20).unwrap();
+        assert_eq!((job.start, job.end), (0, 2 << 20), "one step at a time");
+        a.mark_populated(job.end);
+        let job = a.next_prefault(4 << 20, 8 << 20).unwrap();
+        assert_eq!((job.start, job.end), (2 << 20, 4 << 20));
+        job.map.populate(job.start as usize, (job.end - job.start) as usize, Access::ReadWrite).unwrap();
+        a.mark_populated(job.end);
+        assert!(a.next_prefault(4 << 20, 8 << 20).is_none(), "enough headroom");
+        let f = a.alloc(3 << 20).unwrap();
+        let job = a.next_prefault(4 << 20, 64 << 20).unwrap();
+        assert_eq!(job.end, 8 << 20, "the headroom follows the high-water mark, rounded to a chunk");
+        a.free(f).unwrap();
+        let full = a.next_prefault(1 << 30, 1 << 30).unwrap();
+        assert_eq!(full.end, 64 << 20, "never past the arena");
     }
 }

@@ -10,7 +10,7 @@ pub mod extent;
 
 use std::collections::HashMap;
 
-pub use arena::{Arena, Frame};
+pub use arena::{Arena, Frame, PrefaultJob};
 
 use crate::error::{Error, Result};
 
@@ -87,12 +87,11 @@ impl Pool {
         let mut frames = Vec::with_capacity(count as usize);
         for _ in 0..count {
             match arena.alloc(len) {
-                Ok(Some(f)) => frames.push(f),
-                outcome => {
+                Some(f) => frames.push(f),
+                None => {
                     for f in frames {
                         arena.free(f)?;
                     }
-                    outcome?;
                     return Err(Error::Exhausted { tier: DEVICE_TIER, requested, available, budget: self.budget });
                 }
             }
@@ -112,8 +111,8 @@ impl Pool {
         }
         let Some(arena) = self.arenas.get_mut(&uid) else { return Ok(None) };
         let frame = match at {
-            Some(offset) => arena.alloc_at(offset, len)?,
-            None => arena.alloc(len)?,
+            Some(offset) => arena.alloc_at(offset, len),
+            None => arena.alloc(len),
         };
         if frame.is_some() {
             self.used += need;
@@ -132,6 +131,18 @@ impl Pool {
         self.used -= frame.footprint();
         self.frames -= 1;
         Ok(())
+    }
+
+    /// The next prefault job of each arena that needs one.
+    pub fn prefault_jobs(&self, headroom: u64, max_step: u64) -> Vec<PrefaultJob> {
+        self.arenas.values().filter_map(|a| a.next_prefault(headroom, max_step)).collect()
+    }
+
+    /// Records a finished prefault job.
+    pub fn prefault_done(&mut self, job: &PrefaultJob) {
+        if let Some(a) = self.arenas.get_mut(&job.uid) {
+            a.mark_populated(job.end);
+        }
     }
 
     /// Every arena, by uid.

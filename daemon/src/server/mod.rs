@@ -76,7 +76,7 @@ pub async fn run(daemon: Arc<Daemon>, dir: RuntimeDir) -> Result<()> {
         let daemon = daemon.clone();
         tokio::task::spawn_blocking(move || crate::fdpass::serve(daemon, fd_listener))
     };
-    let mut background = Vec::new();
+    let mut background = vec![tokio::spawn(crate::prefault::prefault_task(daemon.clone()))];
     if let Some(interval) = daemon.config.compaction_interval {
         background.push(tokio::spawn(crate::migrate::compaction_task(daemon.clone(), interval)));
     }
