@@ -1,0 +1,140 @@
+//! [`Model`]: a [`ModelConfig`] and [`Weights`] whose shapes have been checked against it.
+//!
+//! A `Model` is what every loader produces and what the forward pass, generation and the KV dump
+//! consume; none of them knows which file format the weights came from. [`Model::new`] is the one
+//! place shapes are checked, so the forward pass can size its buffers from the configuration alone.
+//!
+//! Loaders: [`llama2c`] (Karpathy's llama2.c checkpoints, e.g. stories260K). A GGUF loader joins
+//! it later and builds the same [`Weights`].
+
+pub mod llama2c;
+
+use crate::config::ModelConfig;
+use crate::error::InferError;
+use crate::matmul::Matrix;
+
+/// The weights of one transformer block. Matrices are `W[out][in]` (see [`Matrix`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerWeights {
+    /// RMSNorm gain before attention, `dim`.
+    pub attn_norm: Vec<f32>,
+    /// Query projection, `q_dim × dim`.
+    pub wq: Matrix,
+    /// Key projection, `kv_dim × dim`.
+    pub wk: Matrix,
+    /// Value projection, `kv_dim × dim`.
+    pub wv: Matrix,
+    /// Attention output projection, `dim × q_dim`.
+    pub wo: Matrix,
+    /// RMSNorm gain before the FFN, `dim`.
+    pub ffn_norm: Vec<f32>,
+    /// FFN gate projection (`silu` applies to its output), `hidden_dim × dim`.
+    pub w1: Matrix,
+    /// FFN down projection, `dim × hidden_dim`.
+    pub w2: Matrix,
+    /// FFN up projection, `hidden_dim × dim`.
+    pub w3: Matrix,
+}
+
+/// Where the logits come from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Classifier {
+    /// The classifier is the token embedding table (tied weights, as in stories260K).
+    TiedToEmbedding,
+    /// A separate `vocab_size × dim` matrix.
+    Separate(Matrix),
+}
+
+/// All weights of a model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Weights {
+    /// Token embedding table, `vocab_size × dim`.
+    pub token_embedding: Matrix,
+    /// One entry per layer, in order.
+    pub layers: Vec<LayerWeights>,
+    /// RMSNorm gain after the last layer, `dim`.
+    pub final_norm: Vec<f32>,
+    /// The output projection to logits.
+    pub classifier: Classifier,
+}
+
+/// A configuration with weights of matching shapes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Model {
+    config: ModelConfig,
+    weights: Weights,
+}
+
+impl Model {
+    /// Checks `config` and that every tensor in `weights` has the shape `config` needs.
+    pub fn new(config: ModelConfig, weights: Weights) -> Result<Self, InferError> {
+        config.validate()?;
+        let c = &config;
+        let shape = |what: String, m: &Matrix, rows: usize, cols: usize| {
+            if (m.rows(), m.cols()) == (rows, cols) {
+                Ok(())
+            } else {
+                Err(InferError::WeightShape {
+                    reason: format!(
+                        "{what} is {} × {}, but the configuration needs {rows} × {cols}",
+                        m.rows(),
+                        m.cols()
+                    ),
+                })
+            }
+        };
+        let norm = |what: String, v: &[f32]| {
+            if v.len() == c.dim {
+                Ok(())
+            } else {
+                Err(InferError::WeightShape {
+                    reason: format!("{what} has {} values, but the configuration needs dim = {}", v.len(), c.dim),
+                })
+            }
+        };
+        shape("the token embedding".into(), &weights.token_embedding, c.vocab_size, c.dim)?;
+        if weights.layers.len() != c.layers {
+            return Err(InferError::WeightShape {
+                reason: format!(
+                    "there are {} layers of weights, but the configuration has {}",
+                    weights.layers.len(),
+                    c.layers
+                ),
+            });
+        }
+        for (i, l) in weights.layers.iter().enumerate() {
+            norm(format!("layer {i} attention norm"), &l.attn_norm)?;
+            shape(format!("layer {i} wq"), &l.wq, c.q_dim(), c.dim)?;
+            shape(format!("layer {i} wk"), &l.wk, c.kv_dim(), c.dim)?;
+            shape(format!("layer {i} wv"), &l.wv, c.kv_dim(), c.dim)?;
+            shape(format!("layer {i} wo"), &l.wo, c.dim, c.q_dim())?;
+            norm(format!("layer {i} FFN norm"), &l.ffn_norm)?;
+            shape(format!("layer {i} w1"), &l.w1, c.hidden_dim, c.dim)?;
+            shape(format!("layer {i} w2"), &l.w2, c.dim, c.hidden_dim)?;
+            shape(format!("layer {i} w3"), &l.w3, c.hidden_dim, c.dim)?;
+        }
+        norm("the final norm".into(), &weights.final_norm)?;
+        if let Classifier::Separate(m) = &weights.classifier {
+            shape("the classifier".into(), m, c.vocab_size, c.dim)?;
+        }
+        Ok(Self { config, weights })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The weights.
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    /// The matrix that maps the final hidden state to logits.
+    pub fn classifier(&self) -> &Matrix {
+        match &self.weights.classifier {
+            Classifier::TiedToEmbedding => &self.weights.token_embedding,
+            Classifier::Separate(m) => m,
+        }
+    }
+}

@@ -1,0 +1,53 @@
+//! Shared paths and loaders for the stories260K integration tests.
+//!
+//! The model files live in the `shared/` directory beside the repository
+//! (`CARGO_MANIFEST_DIR/../../shared/models/stories260K`); a missing directory fails the test with
+//! the path it looked in.
+
+#![allow(dead_code, reason = "each test binary uses a different subset")]
+
+use std::path::{Path, PathBuf};
+
+use kvmm_infer::{Model, Tokenizer, model::llama2c};
+
+/// The stories260K directory, or a panic naming where it was looked for.
+pub fn models_dir() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/models/stories260K");
+    assert!(
+        dir.is_dir(),
+        "the stories260K model directory is missing: looked for {} (shared/models/stories260K beside the \
+         repository checkout)",
+        dir.display()
+    );
+    dir
+}
+
+pub fn model() -> Model {
+    let path = models_dir().join("stories260K.bin");
+    llama2c::load(&path).unwrap_or_else(|e| panic!("{e}"))
+}
+
+pub fn tokenizer(model: &Model) -> Tokenizer {
+    let path = models_dir().join("tok512.bin");
+    Tokenizer::load(&path, model.config().vocab_size).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The 256 token ids llama2.c `run.c` generates greedily from BOS.
+pub fn golden_ids() -> Vec<u32> {
+    let path = models_dir().join("golden_greedy_bos_256.ids.txt");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("could not read {}: {e}", path.display()));
+    text.split_whitespace()
+        .map(|w| w.parse().unwrap_or_else(|e| panic!("{} holds {w:?}, not a token id: {e}", path.display())))
+        .collect()
+}
+
+/// The text `run.c` printed for [`golden_ids`].
+pub fn golden_text() -> Vec<u8> {
+    let path = models_dir().join("golden_greedy_bos_256.txt");
+    std::fs::read(&path).unwrap_or_else(|e| panic!("could not read {}: {e}", path.display()))
+}
+
+/// The committed fixture.
+pub fn fixture_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/stories260k_bos_256.kvfx")
+}
