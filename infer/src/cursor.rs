@@ -35,8 +35,33 @@ impl<'a> Cursor<'a> {
         Some(out)
     }
 
+    /// The next `N` bytes as an array.
+    fn array<const N: usize>(&mut self) -> Option<[u8; N]> {
+        self.take(N).map(|b| b.try_into().expect("take(N) yields N bytes"))
+    }
+
     fn word(&mut self) -> Option<[u8; 4]> {
-        self.take(4).map(|b| b.try_into().expect("take(4) yields 4 bytes"))
+        self.array()
+    }
+
+    /// The next byte.
+    pub(crate) fn u8(&mut self) -> Option<u8> {
+        self.array::<1>().map(|[b]| b)
+    }
+
+    /// The next little-endian `u16`.
+    pub(crate) fn u16(&mut self) -> Option<u16> {
+        self.array().map(u16::from_le_bytes)
+    }
+
+    /// The next little-endian `u32`.
+    pub(crate) fn u32(&mut self) -> Option<u32> {
+        self.word().map(u32::from_le_bytes)
+    }
+
+    /// The next little-endian `u64`.
+    pub(crate) fn u64(&mut self) -> Option<u64> {
+        self.array().map(u64::from_le_bytes)
     }
 
     /// The next little-endian `i32`.

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 pub enum InferErrorKind {
     /// A file could not be opened or read.
     Io,
-    /// A model checkpoint, tokenizer file or KV fixture is malformed or inconsistent.
+    /// A model checkpoint (llama2.c or GGUF), tokenizer file or KV fixture is malformed or inconsistent.
     BadFile,
     /// A model configuration is outside what the engine supports.
     BadConfig,
@@ -64,6 +64,15 @@ pub enum InferError {
         reason: String,
     },
 
+    /// A GGUF file is malformed, or holds a model or vocabulary this engine cannot run.
+    #[error("{} is not a usable GGUF model: {reason}", path.display())]
+    Gguf {
+        /// The GGUF file.
+        path: PathBuf,
+        /// What is wrong, as the end of a sentence.
+        reason: String,
+    },
+
     /// A KV fixture is malformed.
     #[error("{origin} is not a valid KV fixture: {reason}")]
     Fixture {
@@ -106,7 +115,9 @@ impl InferError {
     pub fn kind(&self) -> InferErrorKind {
         match self {
             Self::Io { .. } | Self::Write { .. } => InferErrorKind::Io,
-            Self::Checkpoint { .. } | Self::Tokenizer { .. } | Self::Fixture { .. } => InferErrorKind::BadFile,
+            Self::Checkpoint { .. } | Self::Tokenizer { .. } | Self::Gguf { .. } | Self::Fixture { .. } => {
+                InferErrorKind::BadFile
+            }
             Self::Config { .. } | Self::WeightShape { .. } => InferErrorKind::BadConfig,
             Self::InvalidArgument(_) => InferErrorKind::InvalidArgument,
             Self::Cache { .. } => InferErrorKind::Cache,

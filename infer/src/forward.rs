@@ -13,8 +13,9 @@
 //! ```
 //!
 //! `Forward` owns only scratch buffers sized from the model's configuration; the K/V history lives
-//! behind [`KvCache`], and the weights stay borrowed. Every operation uses the same `f32`
-//! arithmetic in the same order as llama2.c `run.c`.
+//! behind [`KvCache`], and the weights stay borrowed. Every operation outside the quantized matrix
+//! products uses the same `f32` arithmetic in the same order as llama2.c `run.c`, so an `f32` model
+//! (stories260K) reproduces it exactly.
 
 use crate::config::ModelConfig;
 use crate::error::InferError;
@@ -107,7 +108,7 @@ impl Forward {
         }
 
         let w = model.weights();
-        self.x.copy_from_slice(w.token_embedding.row(token as usize));
+        w.token_embedding.dequantize_row(token as usize, &mut self.x);
         for (l, lw) in w.layers.iter().enumerate() {
             rmsnorm(&mut self.xb, &self.x, &lw.attn_norm, c.norm_eps);
             lw.wq.matvec(&self.xb, &mut self.q);

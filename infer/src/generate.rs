@@ -2,22 +2,23 @@
 //!
 //! The loop is llama2.c `run.c`'s: `steps` forward passes at positions `0..steps`. While the prompt
 //! lasts, its next token is fed (teacher forcing); after that the argmax of the logits is generated
-//! and fed back. Generation ends after `steps` positions, or as soon as the model emits BOS, which
-//! is neither kept nor fed.
+//! and fed back. Generation ends after `steps` positions, or as soon as the model emits one of the
+//! stop tokens, which is neither kept nor fed. Which tokens stop is the vocabulary's convention
+//! ([`crate::Tokenizer::stop_tokens`]): BOS for llama2.c models, as `run.c` does; `<|im_end|>` and
+//! `<|endoftext|>` for SmolLM2.
 
 use crate::error::InferError;
 use crate::forward::Forward;
 use crate::kv_cache::KvCache;
 use crate::model::Model;
-use crate::tokenizer::BOS;
 
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stop {
     /// All `steps` positions were run.
     Steps,
-    /// The model emitted BOS.
-    Bos,
+    /// The model emitted this stop token.
+    Token(u32),
 }
 
 /// The outcome of [`generate_greedy`].
@@ -44,12 +45,13 @@ pub fn argmax(logits: &[f32]) -> u32 {
 }
 
 /// Runs `prompt` and then greedy decoding for `steps` positions in total, against an empty
-/// `cache`.
+/// `cache`, stopping early when the model emits a token in `stop`.
 pub fn generate_greedy<C: KvCache + ?Sized>(
     model: &Model,
     cache: &mut C,
     prompt: &[u32],
     steps: usize,
+    stop: &[u32],
 ) -> Result<Generation, InferError> {
     let Some(&first) = prompt.first() else {
         return Err(InferError::InvalidArgument("the prompt is empty; start from at least one token (BOS)".to_owned()));
@@ -70,8 +72,8 @@ pub fn generate_greedy<C: KvCache + ?Sized>(
             Some(&forced) => forced,
             None => {
                 let chosen = argmax(logits);
-                if chosen == BOS {
-                    out.stop = Stop::Bos;
+                if stop.contains(&chosen) {
+                    out.stop = Stop::Token(chosen);
                     break;
                 }
                 out.generated.push(chosen);

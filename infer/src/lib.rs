@@ -1,23 +1,37 @@
 //! `kvmm-infer`: a small llama-family inference engine that will keep its KV cache in kvmm.
 //!
-//! Today it runs llama2.c checkpoints (stories260K) in `f32` on the CPU, with an in-process KV
-//! cache, and dumps real queries, keys and values as test fixtures for the kernels. Later it loads
-//! GGUF models (SmolLM2), swaps the plain matrix loops for SIMD and quantized ones, and plugs a
-//! kvmm-backed cache in behind [`KvCache`].
+//! It runs two model families on the CPU, one token at a time, with an in-process KV cache, and
+//! dumps real queries, keys and values as test fixtures for the kernels:
+//!
+//! - llama2.c checkpoints (stories260K), all `f32`, reproducing `run.c`'s greedy output exactly;
+//! - llama-architecture GGUF files (SmolLM2-135M-Instruct), with `Q4_1`/`Q8_0` matrices kept
+//!   quantized, a byte-level BPE tokenizer from the file's metadata, and its ChatML template.
+//!
+//! Later a kvmm-backed cache plugs in behind [`KvCache`].
 //!
 //! # Layers
 //!
 //! - [`ModelConfig`] ([`config`]): the shape of a model, whatever file it came from.
 //! - [`Model`] ([`model`]): configuration plus shape-checked [`Weights`]; [`model::llama2c`] loads
-//!   llama2.c checkpoints.
-//! - [`Tokenizer`] ([`tokenizer`]): llama2.c's BPE-by-scores vocabulary (`tok512.bin`).
-//! - [`Matrix`] ([`matmul`]): the matrix–vector seam; [`Rope`] ([`rope`]): rotary embedding.
+//!   llama2.c checkpoints, [`model::gguf`] GGUF files (container format in [`gguf`]).
+//! - [`Tokenizer`] ([`tokenizer`]): either llama2.c's BPE-by-scores vocabulary (`tok512.bin`) or a
+//!   GGUF file's byte-level BPE, with stop tokens and chat template.
+//! - [`Matrix`] ([`matmul`]): the matrix–vector seam, over `f32` or quantized blocks ([`quant`]);
+//!   [`Rope`] ([`rope`]): rotary embedding.
 //! - [`KvCache`] ([`kv_cache`]): the cache seam, with [`LocalKvCache`] in process.
 //! - [`Forward`] ([`forward`]): one token through the network; [`generate_greedy`] ([`generate`]).
 //! - [`KvTrace`] ([`trace`]): queries, keys and values recorded over a sequence, written as a
 //!   `.kvfx` fixture by [`fixture`].
 //!
-//! # The K/V dump tool
+//! # Tools
+//!
+//! `kvmm-generate` runs a prompt greedily and reports tokens per second; with a GGUF chat model it
+//! wraps the prompt in the model's chat template (`--raw` feeds it as is):
+//!
+//! ```text
+//! cargo run --release -p kvmm-infer --bin kvmm-generate -- \
+//!     --model ~/.cache/kvmm/models/SmolLM2-135M-Instruct.Q4_1.gguf --prompt "What is the capital of France?"
+//! ```
 //!
 //! `kvmm-dump-kv` runs a model over a token sequence and writes its post-RoPE queries, keys and
 //! values per layer and position (format in [`fixture`]). From the repository root:
@@ -30,9 +44,20 @@
 //! ```
 //!
 //! `--bos-steps N` decodes greedily from BOS for `N` positions; `--text FILE` instead feeds the
-//! file's text (encoded with BOS) teacher-forced. The committed fixture
-//! `infer/fixtures/stories260k_bos_256.kvfx` is the first command's output; the test
-//! `kv_fixture_is_current` regenerates it and compares.
+//! file's text teacher-forced (encoded as a document: with BOS for llama2.c, as the GGUF says for
+//! GGUF models — without for SmolLM2). A `.gguf` model brings its own tokenizer. The committed
+//! fixture `infer/fixtures/stories260k_bos_256.kvfx` is the first command's output; the test
+//! `kv_fixture_is_current` regenerates it and compares. SmolLM2's fixture over the evaluation text
+//! in `infer/texts/` is too large to commit (≈ 215 MB); it is made with:
+//!
+//! ```text
+//! cargo run --release -p kvmm-infer --bin kvmm-dump-kv -- \
+//!     --model ~/.cache/kvmm/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+//!     --text infer/texts/us-constitution.txt --max-tokens 2048 \
+//!     --out ~/.cache/kvmm/fixtures/smollm2_text_2048.kvfx
+//! ```
+
+#![forbid(unsafe_code)]
 
 pub mod config;
 mod cursor;
@@ -40,9 +65,11 @@ pub mod error;
 pub mod fixture;
 pub mod forward;
 pub mod generate;
+pub mod gguf;
 pub mod kv_cache;
 pub mod matmul;
 pub mod model;
+pub mod quant;
 pub mod rope;
 pub mod tokenizer;
 pub mod trace;
@@ -52,8 +79,8 @@ pub use error::{InferError, InferErrorKind};
 pub use forward::Forward;
 pub use generate::{Generation, Stop, argmax, generate_greedy};
 pub use kv_cache::{KvCache, LocalKvCache};
-pub use matmul::Matrix;
+pub use matmul::{Matrix, WeightFormat};
 pub use model::{Classifier, LayerWeights, Model, Weights};
 pub use rope::Rope;
-pub use tokenizer::Tokenizer;
+pub use tokenizer::{BpeTokenizer, ChatTemplate, Llama2cTokenizer, Tokenizer};
 pub use trace::{KvTrace, LayerTrace, RecordingKvCache, trace_greedy, trace_tokens};

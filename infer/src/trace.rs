@@ -174,9 +174,15 @@ pub fn trace_tokens(model: &Model, tokens: &[u32]) -> Result<KvTrace, InferError
     Ok(KvTrace { config, tokens: tokens.to_vec(), layers })
 }
 
-/// Runs greedy generation from `prompt` for `steps` positions (see [`generate_greedy`]) and records
-/// the trace of every token fed. Returns the generation too: its `fed` are the trace's tokens.
-pub fn trace_greedy(model: &Model, prompt: &[u32], steps: usize) -> Result<(KvTrace, Generation), InferError> {
+/// Runs greedy generation from `prompt` for `steps` positions, stopping at a token in `stop` (see
+/// [`generate_greedy`]), and records the trace of every token fed. Returns the generation too: its
+/// `fed` are the trace's tokens.
+pub fn trace_greedy(
+    model: &Model,
+    prompt: &[u32],
+    steps: usize,
+    stop: &[u32],
+) -> Result<(KvTrace, Generation), InferError> {
     let config = *model.config();
     if steps == 0 || steps > config.seq_len {
         return Err(InferError::InvalidArgument(format!(
@@ -185,7 +191,7 @@ pub fn trace_greedy(model: &Model, prompt: &[u32], steps: usize) -> Result<(KvTr
         )));
     }
     let mut cache = RecordingKvCache::new(LocalKvCache::new(&config, steps)?, &config);
-    let generation = generate_greedy(model, &mut cache, prompt, steps)?;
+    let generation = generate_greedy(model, &mut cache, prompt, steps, stop)?;
     let (layers, _) = cache.into_parts();
     let trace = KvTrace { config, tokens: generation.fed.clone(), layers };
     Ok((trace, generation))

@@ -71,7 +71,7 @@ fn the_fixture_holds_bos_then_the_golden_tokens_it_fed() {
 #[test]
 fn teacher_forcing_the_greedy_tokens_records_the_same_trace() {
     let model = common::model();
-    let (greedy, generation) = trace_greedy(&model, &[BOS], 64).unwrap();
+    let (greedy, generation) = trace_greedy(&model, &[BOS], 64, &[BOS]).unwrap();
     let forced = trace_tokens(&model, &generation.fed).unwrap();
     assert_eq!(forced, greedy);
 }
@@ -82,7 +82,7 @@ fn recorded_keys_are_exactly_what_the_cache_attends_over() {
     let model = common::model();
     let config = *model.config();
     let mut cache = RecordingKvCache::new(LocalKvCache::new(&config, 32).unwrap(), &config);
-    generate_greedy(&model, &mut cache, &[BOS], 32).unwrap();
+    generate_greedy(&model, &mut cache, &[BOS], 32, &[BOS]).unwrap();
     assert_eq!(cache.tokens(4), 32);
     let local_keys: Vec<Vec<f32>> = (0..5).map(|l| cache.inner().keys(l).to_vec()).collect();
     let local_values: Vec<Vec<f32>> = (0..5).map(|l| cache.inner().values(l).to_vec()).collect();

@@ -26,7 +26,7 @@ fn greedy_from_bos_reproduces_run_c_for_256_steps_ids_and_text() {
     let model = common::model();
     let tokenizer = common::tokenizer(&model);
     let mut cache = LocalKvCache::new(model.config(), 256).unwrap();
-    let generation = generate_greedy(&model, &mut cache, &[BOS], 256).unwrap();
+    let generation = generate_greedy(&model, &mut cache, &[BOS], 256, &[BOS]).unwrap();
 
     let golden = common::golden_ids();
     assert_eq!(golden.len(), 256);

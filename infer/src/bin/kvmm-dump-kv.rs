@@ -1,30 +1,34 @@
 //! `kvmm-dump-kv`: run a model over a token sequence and write its post-RoPE queries, keys and
 //! values, per layer and position, as a `.kvfx` fixture (format: `kvmm_infer::fixture`).
 //!
-//! The sequence is either greedy decoding from BOS (`--bos-steps N`, N positions) or a text file
-//! encoded with the tokenizer, BOS first, fed teacher-forced (`--text FILE`). The dump itself takes
-//! a `Model` and tokens; only `load_model` knows checkpoint formats.
+//! The model is a llama2.c checkpoint (with `--tokenizer` for text) or a GGUF file (its tokenizer
+//! inside). The sequence is either greedy decoding from BOS (`--bos-steps N`, N positions, stopping
+//! early at the vocabulary's stop tokens) or a text file encoded as a document (`--text FILE`: with
+//! BOS first when the vocabulary's convention says so), fed teacher-forced. The dump itself takes a
+//! `Model` and tokens; only `kvmm_infer::model::load` knows file formats.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{ArgGroup, Parser};
-use kvmm_infer::{Model, Tokenizer, fixture, model::llama2c, tokenizer::BOS, trace_greedy, trace_tokens};
+use kvmm_infer::{fixture, model, tokenizer::BOS, trace_greedy, trace_tokens};
 
 /// Dump the attention inputs (q, k, v) of a model over a token sequence as a .kvfx fixture.
 #[derive(Parser, Debug)]
 #[command(version, group(ArgGroup::new("sequence").required(true).args(["bos_steps", "text"])))]
 struct Args {
-    /// The model checkpoint (llama2.c `.bin`).
+    /// The model: a llama2.c checkpoint (`.bin`) or a GGUF file.
     #[arg(long)]
     model: PathBuf,
-    /// The tokenizer (llama2.c `tokenizer.bin`); required with --text.
+    /// The tokenizer of a llama2.c checkpoint (`tokenizer.bin`); required with --text. GGUF models
+    /// carry their own.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
-    /// Decode greedily from BOS for this many positions (stops early if the model emits BOS).
+    /// Decode greedily from BOS for this many positions (stops early at a stop token).
     #[arg(long)]
     bos_steps: Option<usize>,
-    /// Feed this UTF-8 text file, encoded with BOS, teacher-forced.
+    /// Feed this UTF-8 text file, encoded as a document, teacher-forced.
     #[arg(long)]
     text: Option<PathBuf>,
     /// With --text, keep only the first this many tokens (default: fail if longer than seq_len).
@@ -35,36 +39,32 @@ struct Args {
     out: PathBuf,
 }
 
-fn load_model(path: &Path) -> anyhow::Result<Model> {
-    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
-        bail!("{} is a GGUF file; GGUF models are not supported yet, only llama2.c checkpoints", path.display());
-    }
-    Ok(llama2c::load(path)?)
-}
-
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let model = load_model(&args.model)?;
+    let (model, tokenizer) = model::load(&args.model, args.tokenizer.as_deref())?;
     let config = *model.config();
-    let tokenizer = args.tokenizer.as_deref().map(|p| Tokenizer::load(p, config.vocab_size)).transpose()?;
+    let started = Instant::now();
 
-    // The trace, and the tokens to show as text (everything after the leading BOS).
-    let (trace, shown) = match (args.bos_steps, &args.text) {
+    // The trace, the token before the ones to show as text, and those tokens.
+    let (trace, prev, shown) = match (args.bos_steps, &args.text) {
         (Some(steps), _) => {
-            let (trace, generation) = trace_greedy(&model, &[BOS], steps)?;
+            let bos = tokenizer.as_ref().map_or(BOS, |t| t.bos());
+            let stop = tokenizer.as_ref().map_or(vec![BOS], |t| t.stop_tokens().to_vec());
+            let (trace, generation) = trace_greedy(&model, &[bos], steps, &stop)?;
             eprintln!(
                 "greedy from BOS: {} positions, {} tokens generated, stopped by {:?}",
                 trace.positions(),
                 generation.generated.len(),
                 generation.stop
             );
-            (trace, generation.generated)
+            (trace, bos, generation.generated)
         }
         (None, Some(text_path)) => {
             let Some(tokenizer) = &tokenizer else { bail!("--text needs --tokenizer to encode the text") };
             let text = std::fs::read_to_string(text_path)
                 .with_context(|| format!("could not read {} as UTF-8 text", text_path.display()))?;
-            let mut tokens = tokenizer.encode(&text, true, false);
+            let mut tokens = tokenizer.encode_document(&text);
+            let encoded = tokens.len();
             let limit = args.max_tokens.unwrap_or(config.seq_len);
             if tokens.len() > limit {
                 if args.max_tokens.is_none() {
@@ -78,27 +78,40 @@ fn main() -> anyhow::Result<()> {
                 }
                 tokens.truncate(limit);
             }
-            eprintln!("teacher-forced: {} tokens from {}", tokens.len(), text_path.display());
-            (trace_tokens(&model, &tokens)?, tokens[1..].to_vec())
+            eprintln!(
+                "teacher-forced: {} of {encoded} tokens from {} (BOS first: {})",
+                tokens.len(),
+                text_path.display(),
+                tokenizer.adds_bos()
+            );
+            let trace = trace_tokens(&model, &tokens)?;
+            let (prev, shown) = match tokenizer.adds_bos() {
+                true => (tokens[0], tokens[1..].to_vec()),
+                false => (BOS, tokens),
+            };
+            (trace, prev, shown)
         }
         (None, None) => bail!("pass --bos-steps N or --text FILE"),
     };
+    let seconds = started.elapsed().as_secs_f64();
 
     if let Some(tokenizer) = &tokenizer {
-        let text = tokenizer.decode(BOS, &shown)?;
+        let text = tokenizer.decode(prev, &shown)?;
         eprintln!("text: {}", String::from_utf8_lossy(&text));
     }
     fixture::write(&args.out, &trace)?;
     let bytes = std::fs::metadata(&args.out).with_context(|| format!("could not stat {}", args.out.display()))?.len();
     eprintln!(
-        "wrote {} ({bytes} bytes): {} layers × {} positions × (q {}×{} + k,v {}×{}) f32",
+        "wrote {} ({bytes} bytes): {} layers × {} positions × (q {}×{} + k,v {}×{}) f32; the forward passes took \
+         {seconds:.1} s ({:.1} tokens/s)",
         args.out.display(),
         config.layers,
         trace.positions(),
         config.heads,
         config.head_dim,
         config.kv_heads,
-        config.head_dim
+        config.head_dim,
+        trace.positions() as f64 / seconds
     );
     Ok(())
 }

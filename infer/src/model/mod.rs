@@ -4,14 +4,19 @@
 //! consume; none of them knows which file format the weights came from. [`Model::new`] is the one
 //! place shapes are checked, so the forward pass can size its buffers from the configuration alone.
 //!
-//! Loaders: [`llama2c`] (Karpathy's llama2.c checkpoints, e.g. stories260K). A GGUF loader joins
-//! it later and builds the same [`Weights`].
+//! Loaders: [`llama2c`] (Karpathy's llama2.c checkpoints, e.g. stories260K, all `f32`) and
+//! [`gguf`] (llama-architecture GGUF files, e.g. SmolLM2, with quantized matrices). Both build the
+//! same [`Weights`]; a [`Matrix`] knows its own storage format.
 
+pub mod gguf;
 pub mod llama2c;
+
+use std::path::Path;
 
 use crate::config::ModelConfig;
 use crate::error::InferError;
 use crate::matmul::Matrix;
+use crate::tokenizer::{Llama2cTokenizer, Tokenizer};
 
 /// The weights of one transformer block. Matrices are `W[out][in]` (see [`Matrix`]).
 #[derive(Clone, Debug, PartialEq)]
@@ -137,4 +142,24 @@ impl Model {
             Classifier::Separate(m) => m,
         }
     }
+}
+
+/// Loads a model of either family, told apart by the file's first bytes (`GGUF` or not), with its
+/// tokenizer: a GGUF file carries its own, a llama2.c checkpoint takes one from `tokenizer` (or has
+/// none when that is `None`).
+pub fn load(model: &Path, tokenizer: Option<&Path>) -> Result<(Model, Option<Tokenizer>), InferError> {
+    if crate::gguf::is_gguf(model)? {
+        if let Some(t) = tokenizer {
+            return Err(InferError::InvalidArgument(format!(
+                "{} is a GGUF file and carries its own tokenizer; drop the separate tokenizer {}",
+                model.display(),
+                t.display()
+            )));
+        }
+        let (m, t) = gguf::load(model)?;
+        return Ok((m, Some(t.into())));
+    }
+    let m = llama2c::load(model)?;
+    let t = tokenizer.map(|p| Llama2cTokenizer::load(p, m.config().vocab_size)).transpose()?;
+    Ok((m, t.map(Tokenizer::from)))
 }

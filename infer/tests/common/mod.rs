@@ -1,14 +1,16 @@
-//! Shared paths and loaders for the stories260K integration tests.
+//! Shared paths and loaders for the integration tests.
 //!
-//! The model files live in the `shared/` directory beside the repository
+//! stories260K's files live in the `shared/` directory beside the repository
 //! (`CARGO_MANIFEST_DIR/../../shared/models/stories260K`); a missing directory fails the test with
-//! the path it looked in.
+//! the path it looked in. SmolLM2's GGUF lives in the model cache that
+//! `shared/scripts/fetch-smollm2.sh` fills (`$KVMM_MODEL_CACHE`, else `~/.cache/kvmm/models`); when
+//! it is missing, the SmolLM2 tests print how to fetch it and pass.
 
 #![allow(dead_code, reason = "each test binary uses a different subset")]
 
 use std::path::{Path, PathBuf};
 
-use kvmm_infer::{Model, Tokenizer, model::llama2c};
+use kvmm_infer::{Llama2cTokenizer, Model, model::llama2c};
 
 /// The stories260K directory, or a panic naming where it was looked for.
 pub fn models_dir() -> PathBuf {
@@ -27,9 +29,9 @@ pub fn model() -> Model {
     llama2c::load(&path).unwrap_or_else(|e| panic!("{e}"))
 }
 
-pub fn tokenizer(model: &Model) -> Tokenizer {
+pub fn tokenizer(model: &Model) -> Llama2cTokenizer {
     let path = models_dir().join("tok512.bin");
-    Tokenizer::load(&path, model.config().vocab_size).unwrap_or_else(|e| panic!("{e}"))
+    Llama2cTokenizer::load(&path, model.config().vocab_size).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The 256 token ids llama2.c `run.c` generates greedily from BOS.
@@ -50,4 +52,34 @@ pub fn golden_text() -> Vec<u8> {
 /// The committed fixture.
 pub fn fixture_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/stories260k_bos_256.kvfx")
+}
+
+/// The file name `fetch-smollm2.sh` stores SmolLM2-135M-Instruct under.
+pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// SmolLM2-135M-Instruct's GGUF in the model cache, or `None` after printing how to fetch it.
+pub fn smollm2_gguf() -> Option<PathBuf> {
+    let cache = std::env::var_os("KVMM_MODEL_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| Path::new(&home).join(".cache/kvmm/models")));
+    let path = cache.map(|c| c.join(SMOLLM2_FILE));
+    match path {
+        Some(p) if p.is_file() => Some(p),
+        _ => {
+            println!(
+                "skipped: run ../shared/scripts/fetch-smollm2.sh (looked for {})",
+                path.map_or_else(
+                    || format!("{SMOLLM2_FILE} with neither KVMM_MODEL_CACHE nor HOME set"),
+                    |p| { p.display().to_string() }
+                )
+            );
+            None
+        }
+    }
+}
+
+/// The evaluation text shipped in `infer/texts/`.
+pub fn evaluation_text() -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("texts/us-constitution.txt");
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("could not read {}: {e}", path.display()))
 }

@@ -1,4 +1,4 @@
-//! [`Tokenizer`]: llama2.c's sentencepiece-style BPE (merges chosen by score), read from a
+//! [`Llama2cTokenizer`]: llama2.c's sentencepiece-style BPE (merges chosen by score), read from a
 //! `tokenizer.bin` such as stories260K's `tok512.bin`.
 //!
 //! File layout (little-endian; the vocabulary size is not stored, it comes from the model):
@@ -32,7 +32,7 @@ use crate::error::InferError;
 
 /// The unknown-token id.
 pub const UNK: u32 = 0;
-/// The beginning-of-sequence id. Generation stops when the model emits it.
+/// The beginning-of-sequence id. Generation from BOS stops when the model emits it again (run.c).
 pub const BOS: u32 = 1;
 /// The end-of-sequence id.
 pub const EOS: u32 = 2;
@@ -41,7 +41,7 @@ pub const BYTE_OFFSET: u32 = 3;
 
 /// A llama2.c BPE vocabulary with scores.
 #[derive(Clone, Debug)]
-pub struct Tokenizer {
+pub struct Llama2cTokenizer {
     /// Piece bytes by id.
     pieces: Vec<Vec<u8>>,
     /// Merge priority by id (higher merges first).
@@ -52,7 +52,7 @@ pub struct Tokenizer {
     max_token_length: usize,
 }
 
-impl Tokenizer {
+impl Llama2cTokenizer {
     /// Reads the tokenizer at `path` for a model with `vocab_size` tokens.
     pub fn load(path: &Path, vocab_size: usize) -> Result<Self, InferError> {
         let bytes = std::fs::read(path).map_err(|source| InferError::Io { path: path.to_owned(), source })?;
@@ -235,7 +235,7 @@ mod tests {
     use super::*;
 
     /// A vocabulary of the 259 required pieces plus `extra` (piece, score) entries.
-    fn build(extra: &[(&str, f32)]) -> Tokenizer {
+    fn build(extra: &[(&str, f32)]) -> Llama2cTokenizer {
         let mut entries: Vec<(Vec<u8>, f32)> =
             vec![(b"<unk>".to_vec(), 0.0), (b"\n<s>\n".to_vec(), 0.0), (b"\n</s>\n".to_vec(), 0.0)];
         entries.extend((0..=255u8).map(|b| (format!("<0x{b:02X}>").into_bytes(), 0.0)));
@@ -246,7 +246,7 @@ mod tests {
             bytes.extend((piece.len() as i32).to_le_bytes());
             bytes.extend(piece);
         }
-        Tokenizer::parse(&bytes, entries.len(), Path::new("tok.bin")).unwrap()
+        Llama2cTokenizer::parse(&bytes, entries.len(), Path::new("tok.bin")).unwrap()
     }
 
     #[test]
@@ -292,7 +292,7 @@ mod tests {
             bytes.extend((piece.len() as i32).to_le_bytes());
             bytes.extend(piece);
         }
-        let msg = Tokenizer::parse(&bytes, 259, Path::new("tok.bin")).unwrap_err().to_string();
+        let msg = Llama2cTokenizer::parse(&bytes, 259, Path::new("tok.bin")).unwrap_err().to_string();
         assert!(msg.contains("token 3 is \"t3\", but byte fallback needs"), "{msg}");
     }
 
@@ -300,7 +300,7 @@ mod tests {
     fn a_vocab_size_larger_than_the_file_is_reported_as_truncation() {
         let mut bytes = 7i32.to_le_bytes().to_vec();
         bytes.extend(0f32.to_le_bytes());
-        let msg = Tokenizer::parse(&bytes, 300, Path::new("tok.bin")).unwrap_err().to_string();
+        let msg = Llama2cTokenizer::parse(&bytes, 300, Path::new("tok.bin")).unwrap_err().to_string();
         assert!(msg.starts_with("tok.bin is not a usable llama2.c tokenizer"), "{msg}");
         assert!(msg.contains("the length of token 0"), "{msg}");
     }
