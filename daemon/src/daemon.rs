@@ -251,7 +251,19 @@ impl Daemon {
         }
         let page_bytes = s.geometry.page_bytes();
         let frames = pool.alloc_frames(caller.uid, page_bytes, u64::from(blocks) * u64::from(s.geometry.layers))?;
-        let format = s.geometry.format().as_u8();
+        // Every new page starts with its header and empty key bounds; the rest of a frame is zero
+        // already (fresh memory, or zeroed when it was last freed).
+        let (shape, page_format) = (s.geometry.page_shape(), s.geometry.format());
+        let mut empty = vec![0u8; shape.page_bytes(page_format)];
+        kvmm_kernels::init_page(shape, page_format, &mut empty)?;
+        let prefix = &empty[..shape.k_offset(page_format)];
+        let arena = pool
+            .arena(caller.uid)
+            .ok_or_else(|| Error::FailedPrecondition(format!("uid {} has no arena", caller.uid)))?;
+        for frame in &frames {
+            arena.mapping().write_at(frame.offset as usize, prefix)?;
+        }
+        let format = page_format.as_u8();
         for (i, frame) in frames.iter().enumerate() {
             let layer = i as u32 / blocks;
             let block = have + i as u32 % blocks;
@@ -263,7 +275,7 @@ impl Daemon {
                 tier: PageLocation::TIER_DEVICE,
             });
         }
-        s.pages.extend(blocks, &frames);
+        s.pages.extend(blocks, &frames, s.geometry.format());
         self.prefault_wanted.notify_one();
         tracing::debug!(session = session_id, blocks, total = s.pages.allocated_blocks(), "extended");
         Ok((s.pages.allocated_blocks(), s.pages.bytes()))
@@ -371,6 +383,41 @@ impl Daemon {
         s.counters.prefetches += u64::from(n);
         // Every allocated page is on the device tier: nothing to schedule.
         Ok((n, 0))
+    }
+
+    /// Turns open-ended ranges (an end of `u32::MAX`, "to the last") into the session's real extents.
+    pub fn clamp_ranges(
+        &self,
+        session_id: u64,
+        layers: std::ops::Range<u32>,
+        blocks: std::ops::Range<u32>,
+    ) -> Result<(std::ops::Range<u32>, std::ops::Range<u32>)> {
+        let core = self.core.lock();
+        let s = core.sessions.get_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
+        let end = |r: std::ops::Range<u32>, last: u32| r.start..if r.end == u32::MAX { last } else { r.end };
+        Ok((end(layers, s.geometry.layers), end(blocks, s.pages.allocated_blocks())))
+    }
+
+    /// Recompresses a range of a session's pages in place (admin; the policy engine's primitive).
+    pub fn compress(
+        &self,
+        session_id: u64,
+        layers: std::ops::Range<u32>,
+        blocks: std::ops::Range<u32>,
+        to: kvmm_kernels::Format,
+    ) -> Result<crate::migrate::recompress::RecompressReport> {
+        self.admit()?;
+        let mut scratch = crate::migrate::recompress::Scratch::default();
+        let report = crate::migrate::recompress::recompress(
+            &mut self.core.lock(),
+            session_id,
+            layers,
+            blocks,
+            to,
+            &mut scratch,
+        )?;
+        tracing::info!(session = session_id, format = to.name(), ?report, "recompressed");
+        Ok(report)
     }
 
     /// Daemon-wide status.

@@ -71,6 +71,9 @@ pub enum Error {
     /// The daemon no longer admits work.
     #[error("kvmmd is shutting down and admits no new work; reconnect once it is back")]
     ShuttingDown,
+    /// A page-format operation failed where the daemon's own inputs should have been valid.
+    #[error("page format: {0}")]
+    Kernel(#[from] kvmm_kernels::KernelError),
     /// A shared-memory operation failed.
     #[error("shared memory: {0}")]
     Shm(#[from] ShmError),
@@ -94,7 +97,7 @@ impl Error {
             Error::Exhausted { .. } => ErrorKind::ResourceExhausted,
             Error::FailedPrecondition(_) => ErrorKind::FailedPrecondition,
             Error::ShuttingDown | Error::Busy(_) => ErrorKind::Unavailable,
-            Error::Shm(_) | Error::Io { .. } => ErrorKind::Internal,
+            Error::Shm(_) | Error::Kernel(_) | Error::Io { .. } => ErrorKind::Internal,
         }
     }
 

@@ -1,22 +1,28 @@
-//! Decode attention over a whole context, one thread, against a plain streaming read of the same bytes.
+//! Decode attention over a whole context, one thread, against a plain streaming read of the same bytes,
+//! for every page format.
 //!
 //! Shapes: SmolLM2 (9 query heads, 3 KV heads, head_dim 64) and Llama-3-8B (32/8/128), block_tokens
-//! 32, f16, contexts of 4096 and 32768 tokens stored as full pages in one contiguous private buffer.
-//! Criterion times every available kernel and the streaming sum (throughput in bytes of KV read);
-//! then, in benchmark mode, a summary table gives for each shape, context and kernel the attention
-//! bandwidth, the streaming bandwidth of a buffer of the same size, and their ratio (the acceptance
-//! target is ≥ 0.6 for the best kernel at 32k), from the best of several runs of each. Pages are fed
-//! with the next page as a prefetch hint (`DecodeAttention::page_prefetching`), as a client that
-//! has pinned a whole layer can.
+//! 32, contexts of 4096 and 32768 tokens stored as full pages in one contiguous private buffer per
+//! format: f16 pages written row by row, and the same rows quantized to q8, q4, q2 and k8v4.
+//! Criterion times every available kernel on f16, the best kernel on each quantized format, and the
+//! streaming sum (throughput in bytes of pages read); then, in benchmark mode, a summary table gives
+//! for each shape, context, format and kernel the attention bandwidth, the streaming bandwidth of a
+//! buffer of the same size, their ratio (target ≥ 0.6 for the best f16 kernel at 32k), tokens per
+//! second, and tokens per second relative to the best f16 kernel of the same case measured in the
+//! same run (targets: q8 ≥ 1.6×, q4 ≥ 2.5×), from the best of several runs of each. Pages are fed
+//! with the next page as a prefetch hint (`DecodeAttention::page_prefetching`), as a client that has
+//! pinned a whole layer can. Rows `f16/25%`, `q8/25%`, `q4/25%`: page selection (`select_pages`) at
+//! a budget of a quarter of the pages plus attention over the chosen pages, counted over the whole
+//! context (target: f16/25% ≥ 2.5× full f16).
 //!
-//! `cargo bench -p kvmm-kernels --bench decode_attention`
+//! `cargo bench -p kvmm-kernels --bench decode_attention` (with `KVMM_BENCH_SUMMARY_ONLY=1`, only the
+//! table).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use half::f16;
-use kvmm_kernels::{AttnShape, DecodeAttention, Format, Isa, PageView};
+use kvmm_kernels::{AttnShape, DecodeAttention, Format, Isa, PageView, init_page, quantize, select_pages, write_rows};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -35,15 +41,25 @@ const MODELS: [Model; 2] = [
     Model { name: "llama3-8b", q_heads: 32, kv_heads: 8, head_dim: 128 },
 ];
 
-/// One benchmark case: a context of full f16 pages, contiguous, and a query.
+/// One context stored in one format: full pages, contiguous.
+struct Stored {
+    format: Format,
+    page_bytes: usize,
+    pages: Vec<u8>,
+}
+
+/// One benchmark case: a context stored in every format, and a query.
 struct Case {
     label: String,
     shape: AttnShape,
-    page_bytes: usize,
-    pages: Vec<u8>,
+    context: usize,
+    stored: Vec<Stored>,
     q: Vec<f32>,
     scale: f32,
 }
+
+/// The formats benchmarked, f16 (the baseline) first.
+const FORMATS: [Format; 5] = [Format::F16, Format::Q8, Format::K8V4, Format::Q4, Format::Q2];
 
 impl Case {
     fn new(model: &Model, context: usize) -> Case {
@@ -53,33 +69,56 @@ impl Case {
             head_dim: model.head_dim,
             block_tokens: BLOCK_TOKENS,
         };
-        let page_bytes = shape.page_shape().page_bytes(Format::F16);
+        let layout = shape.page_shape();
         let mut rng = StdRng::seed_from_u64(context as u64);
-        let mut pages = vec![0u8; page_bytes * context / BLOCK_TOKENS];
-        for element in pages.chunks_exact_mut(2) {
-            let x = f16::from_f32(rng.random_range(-1.0..1.0));
-            element.copy_from_slice(&x.to_bits().to_le_bytes());
+        let row = BLOCK_TOKENS * shape.kv_heads * shape.head_dim;
+        let f16_bytes = layout.page_bytes(Format::F16);
+        let mut f16_pages = vec![0u8; f16_bytes * context / BLOCK_TOKENS];
+        for page in f16_pages.chunks_exact_mut(f16_bytes) {
+            let k: Vec<f32> = (0..row).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let v: Vec<f32> = (0..row).map(|_| rng.random_range(-1.0..1.0)).collect();
+            init_page(layout, Format::F16, page).expect("valid shape");
+            write_rows(layout, Format::F16, page, 0, &k, &v).expect("rows fit");
         }
+        let mut stored = Vec::new();
+        for format in FORMATS {
+            if format == Format::F16 {
+                continue;
+            }
+            let page_bytes = layout.page_bytes(format);
+            let mut pages = vec![0u8; page_bytes * context / BLOCK_TOKENS];
+            for (src, dst) in f16_pages.chunks_exact(f16_bytes).zip(pages.chunks_exact_mut(page_bytes)) {
+                quantize(layout, Format::F16, src, BLOCK_TOKENS, format, dst).expect("quantizable");
+            }
+            stored.push(Stored { format, page_bytes, pages });
+        }
+        stored.insert(0, Stored { format: Format::F16, page_bytes: f16_bytes, pages: f16_pages });
         let q = (0..shape.q_heads * shape.head_dim).map(|_| rng.random_range(-1.0..1.0)).collect();
         Case {
             label: format!("{}/ctx{}", model.name, context),
             shape,
-            page_bytes,
-            pages,
+            context,
+            stored,
             q,
             scale: 1.0 / (model.head_dim as f32).sqrt(),
         }
     }
 
+    fn pages(&self) -> usize {
+        self.context / BLOCK_TOKENS
+    }
+}
+
+impl Stored {
     fn bytes(&self) -> usize {
         self.pages.len()
     }
 
     /// One attention call over every page, pages fed in order, each with the next as a prefetch hint.
-    fn attend(&self, attention: &mut DecodeAttention, out: &mut [f32], mass: &mut [f32]) {
-        attention.reset(&self.q, self.scale).expect("query fits the shape");
+    fn attend(&self, case: &Case, attention: &mut DecodeAttention, out: &mut [f32], mass: &mut [f32]) {
+        attention.reset(&case.q, case.scale).expect("query fits the shape");
         for (i, bytes) in self.pages.chunks_exact(self.page_bytes).enumerate() {
-            let page = black_box(PageView { bytes, format: Format::F16, tokens: BLOCK_TOKENS });
+            let page = black_box(PageView { bytes, format: self.format, tokens: BLOCK_TOKENS });
             let next = &self.pages[((i + 1) * self.page_bytes).min(self.pages.len())..];
             if next.is_empty() {
                 attention.page(page).expect("page fits the shape");
@@ -89,6 +128,35 @@ impl Case {
         }
         attention.write_output(out, mass).expect("buffers fit");
         black_box((out, mass));
+    }
+
+    /// Page selection under a budget of a quarter of the pages, then attention over the chosen
+    /// pages (next chosen page as prefetch hint): the whole cost of a sparse call.
+    fn attend_quarter(&self, case: &Case, attention: &mut DecodeAttention, out: &mut [f32], views: &[PageView<'_>]) {
+        let chosen = select_pages(case.shape, &case.q, case.scale, views, views.len() / 4).expect("valid pages");
+        attention.reset(&case.q, case.scale).expect("query fits the shape");
+        for (i, &p) in chosen.iter().enumerate() {
+            match chosen.get(i + 1) {
+                Some(&next) => attention.page_prefetching(views[p], views[next].bytes),
+                None => attention.page(views[p]),
+            }
+            .expect("page fits the shape");
+        }
+        let mut mass = vec![0.0; chosen.len()];
+        attention.write_output(out, &mut mass).expect("buffers fit");
+        black_box(out);
+    }
+
+    fn views(&self) -> Vec<PageView<'_>> {
+        self.pages
+            .chunks_exact(self.page_bytes)
+            .map(|bytes| PageView { bytes, format: self.format, tokens: BLOCK_TOKENS })
+            .collect()
+    }
+
+    /// The kernels benchmarked on this format: every one for f16, the best for the others.
+    fn isas(&self) -> Vec<Isa> {
+        if self.format == Format::F16 { Isa::available() } else { vec![Isa::detect()] }
     }
 }
 
@@ -146,57 +214,114 @@ fn main() {
     // profiling a single benchmark with `--profile-time`.
     let args: Vec<String> = std::env::args().collect();
     let benchmarking = args.iter().any(|a| a == "--bench") && !args.iter().any(|a| a == "--profile-time");
+    let summary_only = std::env::var_os("KVMM_BENCH_SUMMARY_ONLY").is_some();
     let cases: Vec<Case> = MODELS.iter().flat_map(|m| CONTEXTS.iter().map(move |&c| Case::new(m, c))).collect();
-
-    for case in &cases {
-        let mut group = criterion.benchmark_group(format!("decode_attention/{}", case.label));
-        group.throughput(Throughput::Bytes(case.bytes() as u64));
-        let mut out = vec![0.0; case.shape.q_heads * case.shape.head_dim];
-        let mut mass = vec![0.0; case.bytes() / case.page_bytes];
-        for isa in Isa::available() {
-            let mut attention = DecodeAttention::with_isa(isa, case.shape, &case.q, case.scale)
-                .expect("shape is valid and isa available");
-            group.bench_function(isa.name(), |b| b.iter(|| case.attend(&mut attention, &mut out, &mut mass)));
+    // `KVMM_BENCH_PROFILE_SELECT=<case label>`: run only page selection on that case's f16 pages for
+    // a few seconds, for a profiler.
+    if let Ok(label) = std::env::var("KVMM_BENCH_PROFILE_SELECT") {
+        let case = cases.iter().find(|c| c.label == label).expect("a case label such as smollm2/ctx32768");
+        let views = case.stored[0].views();
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(4) {
+            black_box(select_pages(case.shape, &case.q, case.scale, &views, views.len() / 4).expect("valid pages"));
         }
-        group.bench_function("stream", |b| b.iter(|| stream_sum(black_box(&case.pages))));
+        return;
+    }
+
+    for case in cases.iter().filter(|_| !summary_only) {
+        let mut group = criterion.benchmark_group(format!("decode_attention/{}", case.label));
+        let mut out = vec![0.0; case.shape.q_heads * case.shape.head_dim];
+        let mut mass = vec![0.0; case.pages()];
+        for stored in &case.stored {
+            group.throughput(Throughput::Bytes(stored.bytes() as u64));
+            for isa in stored.isas() {
+                let mut attention = DecodeAttention::with_isa(isa, case.shape, &case.q, case.scale)
+                    .expect("shape is valid and isa available");
+                let name = if stored.format == Format::F16 {
+                    isa.name().to_string()
+                } else {
+                    format!("{}/{isa}", stored.format)
+                };
+                group.bench_function(name, |b| b.iter(|| stored.attend(case, &mut attention, &mut out, &mut mass)));
+            }
+        }
+        group.throughput(Throughput::Bytes(case.stored[0].bytes() as u64));
+        group.bench_function("stream", |b| b.iter(|| stream_sum(black_box(&case.stored[0].pages))));
         group.finish();
     }
-    criterion.final_summary();
+    if !summary_only {
+        criterion.final_summary();
+    }
 
     if !benchmarking {
         return;
     }
     println!();
     println!(
-        "single thread, f16, block_tokens {BLOCK_TOKENS}, pages contiguous, next page as prefetch hint; \
-         best of n runs; GB = 1e9 bytes"
+        "single thread, block_tokens {BLOCK_TOKENS}, pages contiguous, next page as prefetch hint; best of n \
+         runs; GB = 1e9 bytes; × f16 = tokens/s over the best f16 kernel's, same case, same run"
     );
     println!(
-        "{:<20} {:>8} {:>8} {:>15} {:>12} {:>7}",
-        "case", "KV MiB", "kernel", "attention GB/s", "stream GB/s", "ratio"
+        "{:<20} {:>6} {:>8} {:>8} {:>15} {:>12} {:>7} {:>10} {:>7}",
+        "case", "format", "KV MiB", "kernel", "attention GB/s", "stream GB/s", "ratio", "Mtok/s", "× f16"
     );
     for case in &cases {
-        let bytes = case.bytes() as f64;
         let mut out = vec![0.0; case.shape.q_heads * case.shape.head_dim];
-        let mut mass = vec![0.0; case.bytes() / case.page_bytes];
-        for isa in Isa::available() {
+        let mut mass = vec![0.0; case.pages()];
+        let mut f16_best = f64::INFINITY;
+        for stored in &case.stored {
+            let bytes = stored.bytes() as f64;
+            for isa in stored.isas() {
+                let mut attention = DecodeAttention::with_isa(isa, case.shape, &case.q, case.scale)
+                    .expect("shape is valid and isa available");
+                let runs = if isa == Isa::Scalar { 3 } else { 25 };
+                let attend = best_seconds(runs, || stored.attend(case, &mut attention, &mut out, &mut mass));
+                // Measured right after, so both see the same cache and frequency state.
+                let stream = best_seconds(25, || {
+                    black_box(stream_sum(black_box(&stored.pages)));
+                });
+                if stored.format == Format::F16 {
+                    f16_best = f16_best.min(attend);
+                }
+                println!(
+                    "{:<20} {:>6} {:>8.1} {:>8} {:>15.2} {:>12.2} {:>7.3} {:>10.2} {:>7.2}",
+                    case.label,
+                    stored.format.name(),
+                    bytes / (1 << 20) as f64,
+                    isa.name(),
+                    bytes / attend / 1e9,
+                    bytes / stream / 1e9,
+                    stream / attend,
+                    case.context as f64 / attend / 1e6,
+                    f16_best / attend,
+                );
+            }
+        }
+        // Sparse: select a quarter of the pages by their key bounds, attend over those. Bandwidth and
+        // tokens/s are counted over the whole context, as the call answers for all of it.
+        for stored in case.stored.iter().filter(|s| matches!(s.format, Format::F16 | Format::Q8 | Format::Q4)) {
+            let isa = Isa::detect();
             let mut attention = DecodeAttention::with_isa(isa, case.shape, &case.q, case.scale)
                 .expect("shape is valid and isa available");
-            let runs = if isa == Isa::Scalar { 3 } else { 25 };
-            let attend = best_seconds(runs, || case.attend(&mut attention, &mut out, &mut mass));
-            // Measured right after, so both see the same cache and frequency state.
-            let stream = best_seconds(25, || {
-                black_box(stream_sum(black_box(&case.pages)));
+            let views = stored.views();
+            let attend = best_seconds(25, || stored.attend_quarter(case, &mut attention, &mut out, &views));
+            let select = best_seconds(25, || {
+                black_box(select_pages(case.shape, &case.q, case.scale, &views, views.len() / 4).expect("valid pages"));
             });
+            let bytes = stored.bytes() as f64;
             println!(
-                "{:<20} {:>8.1} {:>8} {:>15.2} {:>12.2} {:>7.3}",
+                "{:<20} {:>6} {:>8.1} {:>8} {:>15.2} {:>12} {:>7} {:>10.2} {:>7.2}",
                 case.label,
+                format!("{}/25%", stored.format.name()),
                 bytes / (1 << 20) as f64,
                 isa.name(),
                 bytes / attend / 1e9,
-                bytes / stream / 1e9,
-                stream / attend,
+                "-",
+                "-",
+                case.context as f64 / attend / 1e6,
+                f16_best / attend,
             );
+            println!("{:<20} {:>6} selection alone {:.1} µs of {:.1} µs", "", "", select * 1e6, attend * 1e6);
         }
     }
 }

@@ -19,12 +19,18 @@ pub enum KernelErrorKind {
     BadLength,
     /// A token index or count lies outside the page.
     OutOfRange,
-    /// The format or instruction set is not implemented or not available on this machine.
+    /// The format or instruction set is not implemented or not available on this machine, or the
+    /// operation does not apply to the format (rows into a quantized page).
     Unsupported,
+    /// A page's header does not match the geometry and format it was read with: the page is
+    /// uninitialized, belongs to another geometry, was written by another build, or is corrupt.
+    BadPage,
+    /// An input value cannot be represented in the requested format (NaN, infinity, out of range).
+    BadValue,
 }
 
 /// Why a kernel refused its arguments.
-#[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]
+#[derive(thiserror::Error, Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum KernelError {
     /// A dimension of the geometry is outside what the kernels support.
@@ -177,6 +183,153 @@ pub enum KernelError {
     #[error("no page was fed, so attention has nothing to attend to; feed at least one page")]
     NoPages,
 
+    /// Fewer bytes than a page header were given where a page was expected.
+    #[error("page has {got} bytes, fewer than the 64 of a page header; pass the whole page")]
+    HeaderTooShort {
+        /// Bytes given.
+        got: usize,
+    },
+
+    /// The page header is all zero bytes.
+    #[error(
+        "page header is all zero bytes: the page was never initialized; call init_page on every new \
+         frame before writing rows into it"
+    )]
+    HeaderUninitialized,
+
+    /// The header's format byte is not the format the page was read as.
+    #[error(
+        "page format byte is {got}, expected {} ({want}); the page holds another format than its \
+         page-table entry says, or is corrupt",
+        want.as_u8()
+    )]
+    HeaderFormat {
+        /// The format byte found.
+        got: u8,
+        /// The format the caller expected.
+        want: Format,
+    },
+
+    /// The header was written in a layout version this build does not read.
+    #[error(
+        "page header version is {got}, but this build of kvmm-kernels reads version 1; the page was \
+         written by another build or is corrupt"
+    )]
+    HeaderVersion {
+        /// The version byte found.
+        got: u8,
+    },
+
+    /// A reserved header byte is not zero.
+    #[error(
+        "page header byte {offset} is {byte:#04x}, but bytes 28..64 are reserved and must be zero; the \
+         page was written by another build or is corrupt"
+    )]
+    HeaderReserved {
+        /// Offset of the first non-zero reserved byte.
+        offset: usize,
+        /// Its value.
+        byte: u8,
+    },
+
+    /// A header field disagrees with the geometry and format the page was read with.
+    #[error(
+        "page header field {field} is {got}, expected {want} for this geometry and format; the page \
+         belongs to another geometry or is corrupt"
+    )]
+    HeaderField {
+        /// The field's name, as in the header diagram.
+        field: &'static str,
+        /// The value found.
+        got: u64,
+        /// The value the geometry implies.
+        want: u64,
+    },
+
+    /// The header's token count is impossible for the format: not in `1..=block_tokens` for a
+    /// quantized page, not 0 for a 16-bit page.
+    #[error(
+        "page header says {got} tokens are encoded, but a {format} page of block_tokens = {block_tokens} \
+         must say {}; the page is corrupt",
+        if format.is_quantized() { "1..=block_tokens" } else { "0" }
+    )]
+    HeaderTokens {
+        /// Tokens found.
+        got: usize,
+        /// The page's format.
+        format: Format,
+        /// Token slots per page.
+        block_tokens: usize,
+    },
+
+    /// More tokens were asked of a quantized page than it encodes.
+    #[error(
+        "{tokens} tokens were asked of a {format} page that encodes only {encoded}; ask for at most \
+         {encoded}, or quantize the page again once it is full"
+    )]
+    EncodedTokens {
+        /// Tokens asked for.
+        tokens: usize,
+        /// Tokens the page encodes.
+        encoded: usize,
+        /// The page's format.
+        format: Format,
+    },
+
+    /// Rows were to be written into, or a page initialized in, a format that is only ever written
+    /// whole.
+    #[error(
+        "rows can only be written into f16 or bf16 pages, not {format} pages; quantized pages are \
+         written whole by quantize"
+    )]
+    NotRowWritable {
+        /// The format asked for.
+        format: Format,
+    },
+
+    /// `quantize` was asked for a conversion it does not do.
+    #[error(
+        "quantize converts an f16 or bf16 page into q8, q4, q2 or k8v4, not {from} into {to}; lossy \
+         pages stay in the format they were quantized to"
+    )]
+    QuantizePair {
+        /// Source format.
+        from: Format,
+        /// Destination format.
+        to: Format,
+    },
+
+    /// A value cannot be stored in a quantized page.
+    #[error(
+        "the {which} at token {token}, KV head {head}, channel {channel} is {value}, which a {to} page \
+         cannot store: quantized pages hold finite values within ±65504; keep the page in f16 or bf16"
+    )]
+    Unquantizable {
+        /// "key" or "value".
+        which: &'static str,
+        /// The value.
+        value: f32,
+        /// Token slot.
+        token: usize,
+        /// KV head.
+        head: usize,
+        /// Channel.
+        channel: usize,
+        /// The format asked for.
+        to: Format,
+    },
+
+    /// An output or input buffer of floats has the wrong length.
+    #[error("{what} has {got} floats but needs {need}")]
+    BufferLength {
+        /// What the buffer is, with the rule for its length, e.g. "k_out (tokens × kv_heads × head_dim)".
+        what: &'static str,
+        /// Floats given.
+        got: usize,
+        /// Floats needed.
+        need: usize,
+    },
+
     /// The requested instruction set cannot run on this machine.
     #[error("the {isa} kernel was requested but this CPU or build does not support it; use Isa::detect()")]
     IsaUnavailable {
@@ -196,9 +349,23 @@ impl KernelError {
             | Self::PageTooShort { .. }
             | Self::OutputLength { .. }
             | Self::MassLength { .. }
+            | Self::BufferLength { .. }
+            | Self::HeaderTooShort { .. }
             | Self::NoPages => KernelErrorKind::BadLength,
-            Self::TokenRange { .. } | Self::PageTokens { .. } => KernelErrorKind::OutOfRange,
-            Self::UnsupportedFormat { .. } | Self::IsaUnavailable { .. } => KernelErrorKind::Unsupported,
+            Self::TokenRange { .. } | Self::PageTokens { .. } | Self::EncodedTokens { .. } => {
+                KernelErrorKind::OutOfRange
+            }
+            Self::UnsupportedFormat { .. }
+            | Self::IsaUnavailable { .. }
+            | Self::NotRowWritable { .. }
+            | Self::QuantizePair { .. } => KernelErrorKind::Unsupported,
+            Self::HeaderUninitialized
+            | Self::HeaderFormat { .. }
+            | Self::HeaderVersion { .. }
+            | Self::HeaderReserved { .. }
+            | Self::HeaderField { .. }
+            | Self::HeaderTokens { .. } => KernelErrorKind::BadPage,
+            Self::Unquantizable { .. } => KernelErrorKind::BadValue,
         }
     }
 }

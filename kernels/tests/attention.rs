@@ -1,5 +1,5 @@
 //! Decode attention: every available kernel against the scalar kernel, the scalar kernel against the
-//! dense f64 reference, and unfilled slots that must never matter.
+//! dense f64 reference, pages of mixed formats, and unfilled slots that must never matter.
 
 mod common;
 
@@ -33,8 +33,9 @@ fn shapes() -> impl Strategy<Value = (AttnShape, usize)> {
     )
 }
 
-fn formats() -> impl Strategy<Value = Format> {
-    prop_oneof![Just(Format::F16), Just(Format::Bf16)]
+/// The formats of a sequence's pages, page `i` in `formats[i % len]`: one format, or a mix.
+fn formats() -> impl Strategy<Value = Vec<Format>> {
+    proptest::collection::vec(proptest::sample::select(Format::ALL.to_vec()), 1..=3)
 }
 
 proptest! {
@@ -43,11 +44,11 @@ proptest! {
     #[test]
     fn every_available_kernel_matches_the_scalar_kernel(
         (shape, tokens) in shapes(),
-        format in formats(),
+        formats in formats(),
         scale in 0.01f32..0.5,
         seed in any::<u64>(),
     ) {
-        let paged = Paged::random(shape, format, tokens, seed, Fill::Random);
+        let paged = Paged::random_mixed(shape, &formats, tokens, seed, Fill::Random);
         let q = random_query(shape, seed);
         let views = paged.views();
         let (want_out, want_mass) = run(Isa::Scalar, shape, &q, scale, &views);
@@ -56,7 +57,7 @@ proptest! {
         for isa in Isa::available() {
             let (out, mass) = run(isa, shape, &q, scale, &views);
             let err = worst_row_error(&out, &want_out, shape.head_dim);
-            prop_assert!(err <= 1e-4, "{isa}: relative error {err} on {shape:?}, {tokens} tokens");
+            prop_assert!(err <= 1e-4, "{isa}: relative error {err} on {shape:?}, {formats:?}, {tokens} tokens");
             let total: f32 = mass.iter().sum();
             prop_assert!((total - 1.0).abs() <= 1e-4, "{isa}: mass sums to {total}");
             for (p, (got, want)) in mass.iter().zip(&want_mass).enumerate() {
@@ -68,11 +69,11 @@ proptest! {
     #[test]
     fn scalar_kernel_matches_the_dense_reference(
         (shape, tokens) in shapes(),
-        format in formats(),
+        formats in formats(),
         scale in 0.01f32..0.5,
         seed in any::<u64>(),
     ) {
-        let paged = Paged::random(shape, format, tokens, seed, Fill::Zero);
+        let paged = Paged::random_mixed(shape, &formats, tokens, seed, Fill::Zero);
         let q = random_query(shape, seed);
         let (out, mass) = run(Isa::Scalar, shape, &q, scale, &paged.views());
 
@@ -97,11 +98,11 @@ proptest! {
     #[test]
     fn garbage_in_unfilled_slots_never_changes_any_kernel(
         (shape, tokens) in shapes(),
-        format in formats(),
+        formats in formats(),
         scale in 0.01f32..0.5,
         seed in any::<u64>(),
     ) {
-        let mut paged = Paged::random(shape, format, tokens, seed, Fill::Zero);
+        let mut paged = Paged::random_mixed(shape, &formats, tokens, seed, Fill::Zero);
         let q = random_query(shape, seed);
         let clean: Vec<_> = Isa::available()
             .into_iter()
@@ -120,6 +121,44 @@ proptest! {
                     mass.iter().zip(want_mass).all(|(a, b)| a.to_bits() == b.to_bits()),
                     "{isa}: {fill:?} in unfilled slots changed the mass"
                 );
+            }
+        }
+    }
+}
+
+#[test]
+fn mixed_pages_equal_dequantizing_every_page_then_the_dense_reference() {
+    // Pages in f16, q8 and q4 interleaved (plus the other formats), a partial last page, for the
+    // SmolLM2 and Llama-3-8B head shapes.
+    let mixes: [&[Format]; 2] = [
+        &[Format::F16, Format::Q8, Format::Q4],
+        &[Format::Q4, Format::F16, Format::Q8, Format::Bf16, Format::Q2, Format::K8V4],
+    ];
+    for shape in [
+        AttnShape { q_heads: 9, kv_heads: 3, head_dim: 64, block_tokens: 32 },
+        AttnShape { q_heads: 32, kv_heads: 8, head_dim: 128, block_tokens: 32 },
+    ] {
+        for (m, formats) in mixes.iter().enumerate() {
+            let paged = Paged::random_mixed(shape, formats, 7 * 32 - 5, 40 + m as u64, Fill::Poison);
+            let q = random_query(shape, 41);
+            let scale = 1.0 / (shape.head_dim as f32).sqrt();
+            let mut want = vec![0.0; shape.q_heads * shape.head_dim];
+            reference_attention_f32(
+                shape.q_heads,
+                shape.kv_heads,
+                shape.head_dim,
+                &q,
+                &paged.keys,
+                &paged.values,
+                scale,
+                &mut want,
+            )
+            .unwrap();
+            for isa in Isa::available() {
+                let (out, mass) = run(isa, shape, &q, scale, &paged.views());
+                let err = worst_row_error(&out, &want, shape.head_dim);
+                assert!(err <= 1e-4, "{isa}, {formats:?}: relative error {err}");
+                assert!((mass.iter().sum::<f32>() - 1.0).abs() < 1e-4, "{isa}");
             }
         }
     }

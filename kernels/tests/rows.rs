@@ -1,21 +1,30 @@
 //! Row writes and reads: round trips, the rounding rule, and the layout seen from outside.
 
 use half::{bf16, f16};
-use kvmm_kernels::{Format, KernelError, PageShape, read_rows, write_rows, write_rows_f16, write_rows_raw};
+use kvmm_kernels::{
+    Format, KernelError, PageShape, init_page, key_bounds, read_rows, write_rows, write_rows_f16, write_rows_raw,
+};
 use proptest::prelude::*;
 
 const SHAPE: PageShape = PageShape { kv_heads: 2, head_dim: 16, block_tokens: 8 };
 
-fn bits_at(page: &[u8], index: usize) -> u16 {
-    u16::from_le_bytes([page[2 * index], page[2 * index + 1]])
+fn bits_at(page: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([page[at], page[at + 1]])
+}
+
+/// A zeroed page of `shape` in `format` with its header and empty bounds written.
+fn empty_page(shape: PageShape, format: Format) -> Vec<u8> {
+    let mut page = vec![0u8; shape.page_bytes(format)];
+    init_page(shape, format, &mut page).expect("valid shape");
+    page
 }
 
 /// Writes `x` as key channel 0 of head 0 at slot 0 and returns the stored bits.
 fn stored_bits(format: Format, x: f32) -> u16 {
     let shape = PageShape { kv_heads: 1, head_dim: 1, block_tokens: 1 };
-    let mut page = vec![0u8; shape.page_bytes(format)];
+    let mut page = empty_page(shape, format);
     write_rows(shape, format, &mut page, 0, &[x], &[x]).expect("one element fits a one-slot page");
-    bits_at(&page, shape.k_index(0, 0, 0))
+    bits_at(&page, shape.k_byte(0, 0, 0))
 }
 
 #[test]
@@ -47,13 +56,13 @@ fn f32_to_bf16_rounds_to_nearest_even() {
 #[test]
 fn raw_f16_rows_are_copied_bit_for_bit() {
     let row: Vec<f16> = (0..32).map(|i| f16::from_bits(0x3c00 + i as u16 * 7)).collect();
-    let mut page = vec![0u8; SHAPE.page_bytes(Format::F16)];
+    let mut page = empty_page(SHAPE, Format::F16);
     write_rows_f16(SHAPE, Format::F16, &mut page, 5, &row, &row).unwrap();
     for h in 0..2 {
         for d in 0..16 {
             let want = row[h * 16 + d].to_bits();
-            assert_eq!(bits_at(&page, SHAPE.k_index(h, d, 5)), want);
-            assert_eq!(bits_at(&page, SHAPE.v_index(h, 5, d)), want);
+            assert_eq!(bits_at(&page, SHAPE.k_byte(h, d, 5)), want);
+            assert_eq!(bits_at(&page, SHAPE.v_byte(h, 5, d)), want);
         }
     }
 }
@@ -62,9 +71,9 @@ fn raw_f16_rows_are_copied_bit_for_bit() {
 fn raw_pointer_writes_equal_slice_writes() {
     let k: Vec<f32> = (0..96).map(|i| i as f32 * 0.37 - 9.0).collect();
     let v: Vec<f32> = k.iter().map(|x| -x).collect();
-    let mut by_slice = vec![0u8; SHAPE.page_bytes(Format::Bf16)];
+    let mut by_slice = empty_page(SHAPE, Format::Bf16);
     write_rows(SHAPE, Format::Bf16, &mut by_slice, 2, &k, &v).unwrap();
-    let mut by_pointer = vec![0u8; SHAPE.page_bytes(Format::Bf16)];
+    let mut by_pointer = empty_page(SHAPE, Format::Bf16);
     // SAFETY: the pointer and length come from a live Vec that nothing else touches during the call.
     unsafe {
         write_rows_raw(by_pointer.as_mut_ptr(), by_pointer.len(), SHAPE, Format::Bf16, 2, &k, &v).unwrap();
@@ -75,11 +84,21 @@ fn raw_pointer_writes_equal_slice_writes() {
 #[test]
 fn rows_past_the_page_are_refused_and_leave_it_untouched() {
     let mut page = vec![0xaau8; SHAPE.page_bytes(Format::F16)];
+    init_page(SHAPE, Format::F16, &mut page).unwrap();
+    let before = page.clone();
     let rows = vec![1.0f32; 3 * 32];
     let err = write_rows(SHAPE, Format::F16, &mut page, 6, &rows, &rows).unwrap_err();
     assert_eq!(err, KernelError::TokenRange { first: 6, count: 3, block_tokens: 8 });
     assert_eq!(err.to_string(), "tokens 6..9 do not fit in a page of block_tokens = 8; start a new page at token 8");
-    assert!(page.iter().all(|&b| b == 0xaa));
+    assert_eq!(page, before);
+}
+
+#[test]
+fn rows_into_a_quantized_page_are_refused() {
+    let mut page = vec![0u8; SHAPE.page_bytes(Format::Q4)];
+    let err = write_rows(SHAPE, Format::Q4, &mut page, 0, &[0.0; 32], &[0.0; 32]).unwrap_err();
+    assert_eq!(err, KernelError::NotRowWritable { format: Format::Q4 });
+    assert!(page.iter().all(|&b| b == 0));
 }
 
 proptest! {
@@ -103,8 +122,10 @@ proptest! {
             .map(|i| ((i as u64).wrapping_mul(seed | 1) % 20_000) as f32 * 0.013 - 130.0)
             .collect();
         let v: Vec<f32> = k.iter().map(|x| x * -0.5 + 1.0).collect();
-        let mut page = vec![0u8; shape.page_bytes(format)];
+        let mut page = empty_page(shape, format);
+        let header = page[..64].to_vec();
         write_rows(shape, format, &mut page, first, &k, &v).unwrap();
+        prop_assert_eq!(&page[..64], &header[..], "row writes never touch the header");
         let mut k_back = vec![0.0; k.len()];
         let mut v_back = vec![0.0; v.len()];
         read_rows(shape, format, &page, first, &mut k_back, &mut v_back).unwrap();
@@ -119,10 +140,20 @@ proptest! {
         for t in (0..first).chain(first + count..shape.block_tokens) {
             for h in 0..kv_heads {
                 for d in 0..head_dim {
-                    prop_assert_eq!(bits_at(&page, shape.k_index(h, d, t)), 0);
-                    prop_assert_eq!(bits_at(&page, shape.v_index(h, t, d)), 0);
+                    prop_assert_eq!(bits_at(&page, shape.k_byte(h, d, t)), 0);
+                    prop_assert_eq!(bits_at(&page, shape.v_byte(h, t, d)), 0);
                 }
             }
+        }
+        // The key bounds are exactly the range of the keys written, per head and channel.
+        let mut lo = vec![0.0; row];
+        let mut hi = vec![0.0; row];
+        key_bounds(shape, format, &page, &mut lo, &mut hi).unwrap();
+        for i in 0..row {
+            let column = k_back.iter().skip(i).step_by(row);
+            let want_lo = column.clone().copied().fold(f32::INFINITY, f32::min);
+            let want_hi = column.copied().fold(f32::NEG_INFINITY, f32::max);
+            prop_assert_eq!((lo[i], hi[i]), (want_lo, want_hi));
         }
     }
 }

@@ -171,10 +171,11 @@ impl Geometry {
         }
     }
 
-    /// Bytes of one uncompressed (f16 or bf16) page: `2 (K, V) × kv_heads × block_tokens ×
-    /// head_dim × 2`.
+    /// Bytes of one page in the session's element type (f16 or bf16): header, key bounds, K and V,
+    /// as `kvmm_kernels::PageShape::page_bytes` lays them out.
     pub fn page_bytes(&self) -> u64 {
-        2 * u64::from(self.kv_heads) * u64::from(self.block_tokens) * u64::from(self.head_dim) * 2
+        // The kernels' layout is the one source of truth for page sizes.
+        self.page_shape().page_bytes(self.format()) as u64
     }
 
     /// Bytes of the session-table memfd for this geometry.
@@ -229,7 +230,9 @@ mod tests {
         assert_eq!(g.blocks_per_layer(), 256);
         assert_eq!(g.pages(), 32 * 256);
         assert_eq!(g.group(), 4);
-        assert_eq!(g.page_bytes(), 2 * 8 * 32 * 128 * 2);
+        // 64-byte header, key bounds (min/max f16 per channel), then K and V.
+        let payload = 2 * 8 * 32 * 128 * 2;
+        assert!(g.page_bytes() >= 64 + 8 * 128 * 4 + payload);
         assert_eq!(g.page_bytes(), g.page_shape().page_bytes(g.format()) as u64);
     }
 

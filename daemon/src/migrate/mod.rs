@@ -1,9 +1,11 @@
-//! Page migration: the move primitive ([`mover`]), the compaction planner and pass ([`compact`]) and
-//! the test churn driver ([`churn`]), plus the background tasks that run them.
+//! Page migration: the move primitive ([`mover`]), recompression in place ([`recompress`]), the
+//! compaction planner and pass ([`compact`]) and the test churn driver ([`churn`]), plus the
+//! background tasks that run them.
 
 pub mod churn;
 pub mod compact;
 pub mod mover;
+pub mod recompress;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -150,8 +150,50 @@ impl Pool {
         self.arenas.iter().map(|(&uid, a)| (uid, a))
     }
 
+    /// Shrinks a frame of `uid`'s arena in place to `new_len` bytes (a page recompressed into fewer
+    /// bytes at the same offset): the tail is zeroed and returned. Returns the shrunk frame.
+    pub fn shrink_frame(&mut self, uid: u32, frame: Frame, new_len: u64) -> Result<Frame> {
+        let shrunk = Frame { offset: frame.offset, len: new_len };
+        let (old, new) = (frame.footprint(), shrunk.footprint());
+        if new > old || new_len == 0 {
+            return Err(Error::FailedPrecondition(format!(
+                "cannot shrink a {}-byte frame to {new_len} bytes",
+                frame.len
+            )));
+        }
+        if new < old {
+            let arena = self
+                .arenas
+                .get_mut(&uid)
+                .ok_or_else(|| Error::FailedPrecondition(format!("no arena for uid {uid} while shrinking a frame")))?;
+            arena.free(Frame { offset: frame.offset + new, len: old - new })?;
+            self.used -= old - new;
+        }
+        Ok(shrunk)
+    }
+
     /// Sum of the used bytes the arenas report; equals `used()` (checked in tests and by the admin status).
     pub fn used_by_arenas(&self) -> u64 {
         self.arenas.values().map(Arena::used).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shrinking_a_frame_returns_its_tail_to_the_budget_and_the_allocator() {
+        let mut pool = Pool::new(64 << 20);
+        let f = pool.alloc_frames(7, 24_576, 2).unwrap();
+        let before = pool.used();
+        let small = pool.shrink_frame(7, f[0], 6_720).unwrap();
+        assert_eq!(small.offset, f[0].offset);
+        assert_eq!(pool.used(), before - (24_576 - 6_720));
+        assert_eq!(pool.used(), pool.used_by_arenas());
+        // The freed tail is reusable: a small frame fits there, between the two pages.
+        let tail = pool.alloc_move_target(7, 1_000, None).unwrap().unwrap();
+        assert_eq!(tail.offset, f[0].offset + 6_720);
+        assert!(pool.shrink_frame(7, small, 10_000).is_err(), "frames never grow in place");
     }
 }

@@ -53,8 +53,37 @@ fn supplementary_groups(pid: i32) -> Vec<u32> {
         .unwrap_or_default()
 }
 
+/// The kernels' format for a wire format.
+fn format_from_pb(f: i32) -> Result<kvmm_kernels::Format, Error> {
+    pb::PageFormat::try_from(f)
+        .ok()
+        .filter(|f| *f != pb::PageFormat::Unspecified)
+        .and_then(|f| kvmm_kernels::Format::from_u8(f as u8))
+        .ok_or_else(|| Error::InvalidArgument(format!("format {f} is unknown; use PAGE_FORMAT_Q8, _Q4 or _Q2")))
+}
+
 #[tonic::async_trait]
 impl pb::admin_server::Admin for AdminService {
+    async fn compress(&self, req: Request<pb::CompressRequest>) -> Result<Response<pb::CompressResponse>, Status> {
+        self.authorize(caller(&req)?)?;
+        let r = req.into_inner();
+        let _span = tracing::debug_span!("Compress", session = r.session_id).entered();
+        let to = format_from_pb(r.format)?;
+        let layers = r.first_layer..if r.layers == 0 { u32::MAX } else { r.first_layer.saturating_add(r.layers) };
+        let blocks = r.first_block..if r.blocks == 0 { u32::MAX } else { r.first_block.saturating_add(r.blocks) };
+        let (layers, blocks) = self.daemon.clamp_ranges(r.session_id, layers, blocks)?;
+        let rep = self.daemon.compress(r.session_id, layers, blocks, to)?;
+        Ok(Response::new(pb::CompressResponse {
+            compressed: rep.compressed,
+            skipped_pinned: rep.skipped_pinned,
+            skipped_not_full: rep.skipped_not_full,
+            skipped_already: rep.skipped_already,
+            skipped_invalid: rep.skipped_invalid,
+            bytes_before: rep.bytes_before,
+            bytes_after: rep.bytes_after,
+        }))
+    }
+
     async fn status(&self, req: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
         self.authorize(caller(&req)?)?;
         let s = self.daemon.status();

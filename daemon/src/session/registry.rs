@@ -44,6 +44,11 @@ impl Registry {
         Ok(s)
     }
 
+    /// Any session by id, without an ownership check (daemon-internal and admin work).
+    pub fn get_unchecked(&self, id: u64) -> Option<&Session> {
+        self.sessions.get(&id)
+    }
+
     /// Any session by id, without an ownership check (daemon-internal work).
     pub fn get_mut_unchecked(&mut self, id: u64) -> Option<&mut Session> {
         self.sessions.get_mut(&id)

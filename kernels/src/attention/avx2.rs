@@ -59,11 +59,12 @@ macro_rules! with_heads {
 /// `kernel.rs` (`Running::check`).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn page(job: &PageJob<'_>, run: &mut Running<'_>) {
+    debug_assert!(!job.format.is_quantized(), "quantized pages go to their own kernel");
     match job.format {
         // SAFETY: same features and contract as this function's.
-        Format::F16 => unsafe { page_in::<false>(job, run) },
-        // SAFETY: same features and contract as this function's.
         Format::Bf16 => unsafe { page_in::<true>(job, run) },
+        // SAFETY: same features and contract as this function's.
+        _ => unsafe { page_in::<false>(job, run) },
     }
 }
 
@@ -78,10 +79,10 @@ unsafe fn page_in<const BF16: bool>(job: &PageJob<'_>, run: &mut Running<'_>) {
     let (dim, group, block, tokens) = (shape.head_dim, shape.group(), shape.block_tokens, job.tokens);
     let padded = tokens.next_multiple_of(LANES);
     let head_bytes = dim * block * 2;
-    let k_region = job.bytes.as_ptr();
-    // SAFETY: the page holds a K region of `kv_heads × head_bytes` bytes followed by a V region of
-    // the same size (contract: `bytes.len() ≥ page_bytes`), so this is in bounds or one past the end.
-    let v_region = unsafe { k_region.add(shape.kv_heads * head_bytes) };
+    // SAFETY: the page holds a K region of `kv_heads × head_bytes` bytes at `k_offset` and a V
+    // region of the same size at `v_offset` (contract: `bytes.len() ≥ page_bytes`, offsets computed
+    // from the shape), so both are in bounds.
+    let (k_region, v_region) = unsafe { (job.bytes.as_ptr().add(job.k_offset), job.bytes.as_ptr().add(job.v_offset)) };
 
     for kv in 0..shape.kv_heads {
         let first_q = kv * group;
@@ -93,7 +94,7 @@ unsafe fn page_in<const BF16: bool>(job: &PageJob<'_>, run: &mut Running<'_>) {
         let (ahead_k, ahead_v) = if kv + 1 < shape.kv_heads {
             ahead(k_head.wrapping_add(head_bytes), v_head.wrapping_add(head_bytes))
         } else if let Some(next) = job.next {
-            ahead(next.as_ptr(), next.as_ptr().wrapping_add(shape.kv_heads * head_bytes))
+            ahead(next.as_ptr().wrapping_add(job.k_offset), next.as_ptr().wrapping_add(job.v_offset))
         } else {
             (Prefetch::none(), Prefetch::none())
         };

@@ -34,9 +34,9 @@ use super::exp::{EXP_FLOOR, EXP_MAX, LN2_HI, LN2_LO, LOG2E, P};
 use super::kernel::{PageJob, Running, SLACK};
 use super::prefetch::Prefetch;
 
-const LANES: usize = 16;
+pub(super) const LANES: usize = 16;
 /// Heads per score or value tile; larger groups take several tiles.
-const MAX_TILE_HEADS: usize = 8;
+pub(super) const MAX_TILE_HEADS: usize = 8;
 
 /// Expands `$body` once per tile height `1..=8`, with `$g` bound to it as a `const`.
 macro_rules! with_heads {
@@ -77,6 +77,7 @@ macro_rules! with_heads {
         }
     };
 }
+pub(super) use with_heads;
 
 /// Folds one page into the running state.
 ///
@@ -91,11 +92,12 @@ pub(super) unsafe fn page(job: &PageJob<'_>, run: &mut Running<'_>) {
         // AVX2 kernel needs.
         return unsafe { super::avx2::page(job, run) };
     }
+    debug_assert!(!job.format.is_quantized(), "quantized pages go to their own kernel");
     match job.format {
         // SAFETY: same features and contract as this function's.
-        Format::F16 => unsafe { page_in::<false>(job, run) },
-        // SAFETY: same features and contract as this function's.
         Format::Bf16 => unsafe { page_in::<true>(job, run) },
+        // SAFETY: same features and contract as this function's.
+        _ => unsafe { page_in::<false>(job, run) },
     }
 }
 
@@ -110,10 +112,10 @@ unsafe fn page_in<const BF16: bool>(job: &PageJob<'_>, run: &mut Running<'_>) {
     let (dim, group, block, tokens) = (shape.head_dim, shape.group(), shape.block_tokens, job.tokens);
     let padded = tokens.next_multiple_of(LANES);
     let head_bytes = dim * block * 2;
-    let k_region = job.bytes.as_ptr();
-    // SAFETY: the page holds a K region of `kv_heads × head_bytes` bytes followed by a V region of
-    // the same size (contract: `bytes.len() ≥ page_bytes`), so this is in bounds or one past the end.
-    let v_region = unsafe { k_region.add(shape.kv_heads * head_bytes) };
+    // SAFETY: the page holds a K region of `kv_heads × head_bytes` bytes at `k_offset` and a V
+    // region of the same size at `v_offset` (contract: `bytes.len() ≥ page_bytes`, offsets computed
+    // from the shape), so both are in bounds.
+    let (k_region, v_region) = unsafe { (job.bytes.as_ptr().add(job.k_offset), job.bytes.as_ptr().add(job.v_offset)) };
 
     for kv in 0..shape.kv_heads {
         let first_q = kv * group;
@@ -125,7 +127,7 @@ unsafe fn page_in<const BF16: bool>(job: &PageJob<'_>, run: &mut Running<'_>) {
         let (ahead_k, ahead_v) = if kv + 1 < shape.kv_heads {
             ahead(k_head.wrapping_add(head_bytes), v_head.wrapping_add(head_bytes))
         } else if let Some(next) = job.next {
-            ahead(next.as_ptr(), next.as_ptr().wrapping_add(shape.kv_heads * head_bytes))
+            ahead(next.as_ptr().wrapping_add(job.k_offset), next.as_ptr().wrapping_add(job.v_offset))
         } else {
             (Prefetch::none(), Prefetch::none())
         };
@@ -269,13 +271,13 @@ unsafe fn score_tile<const G: usize, const NV: usize, const BF16: bool>(
 
 /// The per-head values of one softmax step, for a tile of up to 8 heads.
 #[derive(Default)]
-struct SoftmaxStep {
+pub(super) struct SoftmaxStep {
     /// In: the running reference of each head. Out: the reference after this page.
-    reference: [f32; MAX_TILE_HEADS],
+    pub reference: [f32; MAX_TILE_HEADS],
     /// Out: Σ exp(s − reference) over the page's filled tokens.
-    page_sum: [f32; MAX_TILE_HEADS],
+    pub page_sum: [f32; MAX_TILE_HEADS],
     /// Out: exp(old reference − new reference), the rescale of earlier sums.
-    alpha: [f32; MAX_TILE_HEADS],
+    pub alpha: [f32; MAX_TILE_HEADS],
 }
 
 /// Softmax step of `G` heads over `tokens` scores each, in place: leaves `p_t = exp(s_t − reference)`
@@ -290,7 +292,7 @@ struct SoftmaxStep {
 /// `scores` must point at `G` rows of `block` floats, each valid for reading and writing
 /// `tokens.next_multiple_of(16) ≤ block` floats.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn softmax<const G: usize>(scores: *mut f32, block: usize, tokens: usize, step: &mut SoftmaxStep) {
+pub(super) unsafe fn softmax<const G: usize>(scores: *mut f32, block: usize, tokens: usize, step: &mut SoftmaxStep) {
     let full = tokens / LANES;
     let tail: __mmask16 = ((1u32 << (tokens % LANES)) - 1) as __mmask16;
     let vectors = full + usize::from(tail != 0);
@@ -346,7 +348,7 @@ unsafe fn softmax<const G: usize>(scores: *mut f32, block: usize, tokens: usize,
 /// gives 0) and `2^n` is applied with `vscalefps`, which underflows gracefully.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn exp16(x: __m512) -> __m512 {
+pub(super) fn exp16(x: __m512) -> __m512 {
     let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_FLOOR)), _mm512_set1_ps(EXP_MAX));
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
         x,

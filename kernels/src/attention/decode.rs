@@ -12,6 +12,7 @@
 //! `σ × exp(r − m) / l`; `mass[p]` is its mean over the query heads.
 
 use crate::error::KernelError;
+use crate::format::header::HeaderCheck;
 
 use super::isa::{Isa, run_page};
 use super::kernel::{PageJob, Running};
@@ -41,6 +42,12 @@ pub struct DecodeAttention {
     scores: Vec<f32>,
     /// `group` kernel scratch.
     alpha: Vec<f32>,
+    /// Quantized-key kernel scratch (see `Running::qk`).
+    qk: Vec<f32>,
+    /// Quantized-value kernel scratch (see `Running::weights`).
+    weights: Vec<f32>,
+    /// The expected page headers of this geometry, for the per-page check.
+    headers: HeaderCheck,
     /// Pages fed since `new` or the last `reset`.
     pages: usize,
 }
@@ -71,6 +78,9 @@ impl DecodeAttention {
             page_sum: Vec::new(),
             scores: vec![0.0; shape.group() * shape.block_tokens],
             alpha: vec![0.0; shape.group()],
+            qk: vec![0.0; Running::qk_len(shape)],
+            weights: vec![0.0; Running::weights_len(shape)],
+            headers: HeaderCheck::new(shape.page_shape()),
             pages: 0,
         };
         this.reset(q, scale)?;
@@ -131,7 +141,7 @@ impl DecodeAttention {
 
     fn fold(&mut self, page: PageView<'_>, next: Option<&[u8]>) -> Result<(), KernelError> {
         let shape = self.shape;
-        shape.page_shape().check_page(page.format, page.bytes.len())?;
+        let (encoded, regions) = self.headers.check(page.format, page.bytes)?;
         if page.tokens == 0 || page.tokens > shape.block_tokens {
             return Err(KernelError::PageTokens {
                 page: self.pages,
@@ -139,11 +149,23 @@ impl DecodeAttention {
                 block_tokens: shape.block_tokens,
             });
         }
+        if page.tokens > encoded {
+            return Err(KernelError::EncodedTokens { tokens: page.tokens, encoded, format: page.format });
+        }
         let heads = shape.q_heads;
         let start = self.page_ref.len();
         self.page_ref.resize(start + heads, 0.0);
         self.page_sum.resize(start + heads, 0.0);
-        let job = PageJob { shape, format: page.format, bytes: page.bytes, tokens: page.tokens, next };
+        let job = PageJob {
+            shape,
+            format: page.format,
+            bytes: page.bytes,
+            tokens: page.tokens,
+            page_bytes: regions.page_bytes,
+            k_offset: regions.k_offset,
+            v_offset: regions.v_offset,
+            next,
+        };
         let mut run = Running {
             q: &self.q,
             reference: &mut self.reference,
@@ -153,6 +175,8 @@ impl DecodeAttention {
             page_sum: &mut self.page_sum[start..],
             scores: &mut self.scores,
             alpha: &mut self.alpha,
+            qk: &mut self.qk,
+            weights: &mut self.weights,
         };
         run_page(self.isa, &job, &mut run);
         self.pages += 1;

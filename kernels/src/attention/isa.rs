@@ -79,28 +79,38 @@ impl fmt::Display for Isa {
     }
 }
 
-/// Runs one page through the kernel of `isa`.
+/// Runs one page through the kernel of `isa`, or the scalar kernel where `isa` has no path for the
+/// page's format (quantized pages on AVX2 and NEON; quantized pages of fewer than 16 tokens on
+/// AVX-512).
 ///
 /// `isa` MUST have passed [`Isa::is_available`]; [`super::DecodeAttention`] only stores such values.
 /// The lengths in `run` are checked here, since the SIMD kernels index with raw pointers.
 pub(crate) fn run_page(isa: Isa, job: &PageJob<'_>, run: &mut Running<'_>) {
     run.check(job);
     debug_assert!(isa.is_available());
+    let quantized = job.format.is_quantized();
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
+        Isa::Avx512 if quantized && job.shape.block_tokens >= 16 => {
+            // SAFETY: `isa` passed `is_available`, so avx512f/bw/vl, avx2, fma and f16c were
+            // detected on this CPU; `check` above established the length contract of `kernel.rs`,
+            // and `block_tokens ≥ 16` was just tested.
+            unsafe { super::avx512_quant::page(job, run) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if !quantized => {
             // SAFETY: `isa` passed `is_available`, so avx512f/bw/vl, avx2, fma and f16c were
             // detected on this CPU; `check` above established the length contract of `kernel.rs`.
             unsafe { super::avx512::page(job, run) }
         }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
+        Isa::Avx2 if !quantized => {
             // SAFETY: `isa` passed `is_available`, so avx2, fma and f16c were detected on this CPU;
             // `check` above established the length contract of `kernel.rs`.
             unsafe { super::avx2::page(job, run) }
         }
         #[cfg(target_arch = "aarch64")]
-        Isa::Neon => {
+        Isa::Neon if !quantized => {
             // SAFETY: `isa` passed `is_available`, so neon was detected on this CPU; `check` above
             // established the length contract of `kernel.rs`.
             unsafe { super::neon::page(job, run) }

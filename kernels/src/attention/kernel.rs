@@ -26,6 +26,10 @@
 //! `SLACK` test, the max and the sum, and its value row is never loaded into an accumulator. Kernels
 //! MUST NOT allocate.
 //!
+//! Pages of every [`Format`] go through the same contract: quantized pages are read in place (codes
+//! and parameters, never widened into a copy of the page), with `k` and `v` above the reconstructed
+//! `min + scale × code` of [`crate::format::quant`].
+//!
 //! Kernels that stream from memory prefetch one KV head ahead: while reading head `h` they prefetch
 //! the same offsets of head `h + 1`, and during the last head those of head 0 of `next`, so memory
 //! reads overlap the arithmetic instead of following it.
@@ -39,17 +43,28 @@ use super::AttnShape;
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code, reason = "the NEON kernel always takes the exact max"))]
 pub(crate) const SLACK: f32 = 8.0;
 
+/// Heads of a query group whose quantized-kernel scratch is kept at once (the SIMD kernels' largest
+/// register tile).
+pub(crate) const SCRATCH_HEADS: usize = 8;
+
 /// One page's worth of work, already validated by the caller.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PageJob<'a> {
     /// Validated with [`AttnShape::validate`].
     pub shape: AttnShape,
-    /// Encoding of `bytes`.
+    /// Encoding of `bytes`; its header was checked against `shape` and `format`.
     pub format: Format,
-    /// At least `shape.page_shape().page_bytes(format)` bytes.
+    /// At least `page_bytes` bytes.
     pub bytes: &'a [u8],
-    /// Filled token slots, `1..=shape.block_tokens`.
+    /// Filled token slots, `1..=shape.block_tokens` (and, for quantized pages, at most the tokens
+    /// the page encodes).
     pub tokens: usize,
+    /// `shape.page_shape().page_bytes(format)`, computed from the shape (never read from the page).
+    pub page_bytes: usize,
+    /// `shape.page_shape().k_offset(format)`: where the K region or section starts.
+    pub k_offset: usize,
+    /// `shape.page_shape().v_offset(format)`.
+    pub v_offset: usize,
     /// The page that will be fed next, if the caller knows it: a prefetch hint only. Kernels MAY
     /// prefetch its lines (addresses computed with wrapping arithmetic, so its length does not
     /// matter) and MUST NOT read it.
@@ -82,6 +97,23 @@ pub(crate) struct Running<'a> {
     pub scores: &'a mut [f32],
     /// `G` scratch: the rescale factor `alpha` of each head of the group.
     pub alpha: &'a mut [f32],
+    /// `min(G, 8) × D` scratch for quantized keys: the query times each channel's scale.
+    pub qk: &'a mut [f32],
+    /// `min(G, 8) × ceil(D / 32) × B` scratch for quantized values: each probability times its
+    /// token's group scale.
+    pub weights: &'a mut [f32],
+}
+
+impl Running<'_> {
+    /// The length of [`Running::qk`] for `shape`.
+    pub fn qk_len(shape: AttnShape) -> usize {
+        shape.group().min(SCRATCH_HEADS) * shape.head_dim
+    }
+
+    /// The length of [`Running::weights`] for `shape`.
+    pub fn weights_len(shape: AttnShape) -> usize {
+        shape.group().min(SCRATCH_HEADS) * shape.head_dim.div_ceil(crate::format::quant::V_GROUP) * shape.block_tokens
+    }
 }
 
 impl Running<'_> {
@@ -91,7 +123,13 @@ impl Running<'_> {
         let s = job.shape;
         let (h, d, g, b) = (s.q_heads, s.head_dim, s.group(), s.block_tokens);
         assert!(job.tokens >= 1 && job.tokens <= b);
-        assert!(job.bytes.len() >= s.page_shape().page_bytes(job.format));
+        assert!(job.bytes.len() >= job.page_bytes);
+        let page = s.page_shape();
+        debug_assert_eq!(job.page_bytes, page.page_bytes(job.format));
+        debug_assert_eq!(job.k_offset, page.k_offset(job.format));
+        debug_assert_eq!(job.v_offset, page.v_offset(job.format));
+        // The offsets lie inside the page whatever the shape (a cheap guard for the debug checks).
+        assert!(job.k_offset <= job.v_offset && job.v_offset <= job.page_bytes);
         assert_eq!(self.q.len(), h * d);
         assert_eq!(self.reference.len(), h);
         assert_eq!(self.sum.len(), h);
@@ -100,5 +138,7 @@ impl Running<'_> {
         assert_eq!(self.page_sum.len(), h);
         assert_eq!(self.scores.len(), g * b);
         assert_eq!(self.alpha.len(), g);
+        assert_eq!(self.qk.len(), Self::qk_len(s));
+        assert_eq!(self.weights.len(), Self::weights_len(s));
     }
 }

@@ -16,9 +16,13 @@
 //! including NaN patterns from a reused frame, and never reach the output: their scores are replaced
 //! by selection, never multiplied by zero, and their values are never loaded into an accumulator.
 //!
-//! Implementations: `scalar` (the reference, straight from the definition), `avx2` (AVX2 + FMA +
-//! F16C), `avx512` (AVX-512F/BW/VL) and `neon`, chosen once per process by [`Isa::detect`] or forced
-//! with [`DecodeAttention::with_isa`]. [`reference`](mod@reference) is a dense `f64` reference that knows nothing
+//! Pages of every [`Format`] may be mixed in one call; quantized pages are read in place (codes and
+//! parameters), never widened into an f16 copy.
+//!
+//! Implementations: `scalar` (the reference, straight from the definition, every format), `avx2`
+//! (AVX2 + FMA + F16C), `avx512` (AVX-512F/BW/VL; `avx512_quant` for the quantized formats) and
+//! `neon`, chosen once per process by [`Isa::detect`] or forced with [`DecodeAttention::with_isa`].
+//! A kernel without a path for a page's format hands that page to the scalar kernel. [`reference`](mod@reference) is a dense `f64` reference that knows nothing
 //! of pages, the ground truth for tests.
 
 mod decode;
@@ -27,11 +31,16 @@ mod isa;
 mod kernel;
 pub mod reference;
 mod scalar;
+pub mod select;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512_quant;
+#[cfg(target_arch = "x86_64")]
+mod avx512_select;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 #[cfg(target_arch = "x86_64")]
@@ -39,6 +48,7 @@ mod prefetch;
 
 pub use decode::{DecodeAttention, decode_attention};
 pub use isa::Isa;
+pub use select::{decode_attention_selected, page_score_bounds, select_pages};
 
 use crate::error::KernelError;
 use crate::format::{Format, PageShape};
@@ -98,13 +108,17 @@ impl AttnShape {
 }
 
 /// One page as attention sees it: its bytes, their format, and how many token slots are filled.
+///
+/// Every page is checked before it is read: its header must match the attention's geometry and
+/// `format` ([`crate::format::header`]), or [`DecodeAttention::page`] fails with the mismatch.
 #[derive(Clone, Copy, Debug)]
 pub struct PageView<'a> {
-    /// At least `page_bytes(format)` bytes laid out as in [`crate::format::layout`]; extra bytes are
-    /// ignored.
+    /// At least `page_bytes(format)` bytes laid out as in [`crate::format::layout`] (16-bit) or
+    /// [`crate::format::quant`] (quantized); extra bytes are ignored.
     pub bytes: &'a [u8],
-    /// How the elements are encoded.
+    /// How the elements are encoded; pages of different formats may be mixed in one call.
     pub format: Format,
-    /// Filled token slots, `1..=block_tokens`; slots from `tokens` on are ignored whatever they hold.
+    /// Filled token slots, `1..=block_tokens` (for quantized pages, at most the tokens the page
+    /// encodes); slots from `tokens` on are ignored whatever they hold.
     pub tokens: usize,
 }

@@ -23,10 +23,10 @@ const LANES: usize = 4;
 /// Largest `block_tokens` and `head_dim` (see `AttnShape::validate`).
 const MAX_ROW: usize = 256;
 
-/// Widens `out.len()` consecutive elements starting at element `first` of the page.
+/// Widens `out.len()` consecutive elements starting at byte `first` of the page.
 fn widen(job: &PageJob<'_>, first: usize, out: &mut [f32]) {
     for (i, o) in out.iter_mut().enumerate() {
-        let at = 2 * (first + i);
+        let at = first + 2 * i;
         *o = decode(job.format, u16::from_le_bytes([job.bytes[at], job.bytes[at + 1]]));
     }
 }
@@ -57,7 +57,8 @@ unsafe fn scale_row(dst: &mut [f32], b: f32) {
     }
 }
 
-/// Folds one page into the running state.
+/// Folds one page of a 16-bit format into the running state (quantized pages go to the scalar
+/// kernel).
 ///
 /// # Safety
 ///
@@ -80,7 +81,7 @@ pub(super) unsafe fn page(job: &PageJob<'_>, run: &mut Running<'_>) {
             run.scores[g * block..g * block + width].fill(0.0);
         }
         for d in 0..dim {
-            widen(job, layout.k_index(kv, d, 0), &mut key_row[..tokens]);
+            widen(job, layout.k_byte(kv, d, 0), &mut key_row[..tokens]);
             for g in 0..group {
                 let qd = run.q[(first_q + g) * dim + d];
                 // SAFETY: the caller guarantees neon.
@@ -108,7 +109,7 @@ pub(super) unsafe fn page(job: &PageJob<'_>, run: &mut Running<'_>) {
         }
 
         for t in 0..tokens {
-            widen(job, layout.v_index(kv, t, 0), &mut value_row[..dim]);
+            widen(job, layout.v_byte(kv, t, 0), &mut value_row[..dim]);
             for g in 0..group {
                 let qh = first_q + g;
                 let p = run.scores[g * block + t];

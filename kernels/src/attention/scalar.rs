@@ -1,22 +1,18 @@
 //! The scalar page kernel: the reference every SIMD kernel is tested against.
 //!
 //! Written straight from the contract in `kernel.rs`, one query head at a time, one element at a
-//! time, decoding each element from the page bytes with [`crate::format::rows`]' decoder and using
-//! `f32::exp`. It runs on every target and is the fallback when no SIMD kernel is available.
+//! time, decoding each element from the page bytes with the format's scalar reader (16-bit elements
+//! exactly, quantized ones as `min + scale × code`) and using `f32::exp`. It runs on every target,
+//! for every format, and is the fallback when no SIMD kernel is available for a page.
 
-use crate::format::rows::decode;
+use crate::format::read::PageReader;
 
 use super::kernel::{PageJob, Running};
-
-fn element(job: &PageJob<'_>, index: usize) -> f32 {
-    let bits = u16::from_le_bytes([job.bytes[2 * index], job.bytes[2 * index + 1]]);
-    decode(job.format, bits)
-}
 
 /// Folds one page into the running state of every query head.
 pub(crate) fn page(job: &PageJob<'_>, run: &mut Running<'_>) {
     let shape = job.shape;
-    let layout = shape.page_shape();
+    let reader = PageReader::new(shape.page_shape(), job.format, job.bytes);
     let (dim, group, tokens) = (shape.head_dim, shape.group(), job.tokens);
     let scores = &mut run.scores[..tokens];
     for qh in 0..shape.q_heads {
@@ -24,7 +20,7 @@ pub(crate) fn page(job: &PageJob<'_>, run: &mut Running<'_>) {
         let q = &run.q[qh * dim..(qh + 1) * dim];
 
         for (t, score) in scores.iter_mut().enumerate() {
-            *score = (0..dim).map(|d| q[d] * element(job, layout.k_index(kv, d, t))).sum();
+            *score = (0..dim).map(|d| q[d] * reader.key(kv, d, t)).sum();
         }
         let page_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let old_max = run.reference[qh];
@@ -41,7 +37,7 @@ pub(crate) fn page(job: &PageJob<'_>, run: &mut Running<'_>) {
         for (d, a) in acc.iter_mut().enumerate() {
             let mut weighted = 0.0f32;
             for (t, p) in scores.iter().enumerate() {
-                weighted += p * element(job, layout.v_index(kv, t, d));
+                weighted += p * reader.value(kv, t, d);
             }
             *a = alpha * *a + weighted;
         }

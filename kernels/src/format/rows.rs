@@ -3,7 +3,12 @@
 //! Rows arrive the way a model produces them, token-major: `k[(t × kv_heads + h) × head_dim + d]` for
 //! token `t` of the batch, KV head `h`, channel `d` (the same for `v`). They are scattered into the
 //! page layout of [`crate::format::layout`]: keys transposed into channel-major order, values copied
-//! row by row.
+//! row by row. Every write also widens the page's key bounds to include the keys written (as
+//! stored, after rounding; NaN keys are left out).
+//!
+//! The page must carry a valid header for the shape and format ([`crate::format::header::init_page`]
+//! writes one); a page without one is refused before any byte is written. Quantized pages are never
+//! written row by row (they are produced whole by [`crate::format::quant::quantize`]).
 //!
 //! Conversion from `f32` rounds to nearest, ties to even, for both f16 and bf16 (the `half` crate's
 //! rule); values too large for f16 become ±infinity, NaN stays NaN. Raw f16 rows written into an f16
@@ -16,6 +21,7 @@
 use half::{bf16, f16};
 
 use crate::error::KernelError;
+use crate::format::header::PageHeader;
 use crate::format::{Format, PageShape};
 
 /// An element type rows can be written from.
@@ -27,8 +33,8 @@ trait RowElement: Copy {
 impl RowElement for f32 {
     fn encode(self, format: Format) -> u16 {
         match format {
-            Format::F16 => f16::from_f32(self).to_bits(),
             Format::Bf16 => bf16::from_f32(self).to_bits(),
+            _ => f16::from_f32(self).to_bits(),
         }
     }
 }
@@ -36,32 +42,36 @@ impl RowElement for f32 {
 impl RowElement for f16 {
     fn encode(self, format: Format) -> u16 {
         match format {
-            Format::F16 => self.to_bits(),
             // f16 → f32 is exact, so this rounds once, from the f16 value.
             Format::Bf16 => bf16::from_f32(self.to_f32()).to_bits(),
+            _ => self.to_bits(),
         }
     }
 }
 
-/// Decodes one 16-bit element of `format` to `f32` (exact for both formats).
+/// Decodes one 16-bit element of `format` (f16 or bf16; any other format reads as f16) to `f32`,
+/// exactly.
 pub(crate) fn decode(format: Format, bits: u16) -> f32 {
     match format {
-        Format::F16 => f16::from_bits(bits).to_f32(),
         Format::Bf16 => bf16::from_bits(bits).to_f32(),
+        _ => f16::from_bits(bits).to_f32(),
     }
 }
 
-/// Checks row lengths against the shape and the token range against the page; returns the number of
-/// tokens the rows hold.
+/// Checks the format, the page's header, row lengths against the shape and the token range against
+/// the page; returns the number of tokens the rows hold.
 fn check_rows(
     shape: PageShape,
     format: Format,
-    page_len: usize,
+    page: &[u8],
     first_token: usize,
     k_len: usize,
     v_len: usize,
 ) -> Result<usize, KernelError> {
-    shape.check_page(format, page_len)?;
+    if format.is_quantized() {
+        return Err(KernelError::NotRowWritable { format });
+    }
+    PageHeader::validate(shape, format, page)?;
     let row = shape.kv_heads * shape.head_dim;
     for (which, len) in [("keys", k_len), ("values", v_len)] {
         if len % row != 0 {
@@ -78,12 +88,12 @@ fn check_rows(
     Ok(count)
 }
 
-fn store(page: &mut [u8], index: usize, bits: u16) {
-    page[2 * index..2 * index + 2].copy_from_slice(&bits.to_le_bytes());
+fn store(page: &mut [u8], at: usize, bits: u16) {
+    page[at..at + 2].copy_from_slice(&bits.to_le_bytes());
 }
 
-fn load(page: &[u8], index: usize) -> u16 {
-    u16::from_le_bytes([page[2 * index], page[2 * index + 1]])
+fn load(page: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([page[at], page[at + 1]])
 }
 
 /// The one row writer behind every public entry point.
@@ -95,19 +105,45 @@ fn write_rows_impl<E: RowElement>(
     k: &[E],
     v: &[E],
 ) -> Result<(), KernelError> {
-    let count = check_rows(shape, format, page.len(), first_token, k.len(), v.len())?;
+    let count = check_rows(shape, format, page, first_token, k.len(), v.len())?;
     let (heads, dim) = (shape.kv_heads, shape.head_dim);
     for i in 0..count {
         let slot = first_token + i;
         for h in 0..heads {
             let row = (i * heads + h) * dim;
             for d in 0..dim {
-                store(page, shape.k_index(h, d, slot), k[row + d].encode(format));
-                store(page, shape.v_index(h, slot, d), v[row + d].encode(format));
+                store(page, shape.k_byte(h, d, slot), k[row + d].encode(format));
+                store(page, shape.v_byte(h, slot, d), v[row + d].encode(format));
             }
         }
     }
+    widen_bounds(shape, format, page, first_token..first_token + count);
     Ok(())
+}
+
+/// Widens the key bounds of every channel to include the keys now stored in `slots`.
+fn widen_bounds(shape: PageShape, format: Format, page: &mut [u8], slots: std::ops::Range<usize>) {
+    for h in 0..shape.kv_heads {
+        for d in 0..shape.head_dim {
+            let at = shape.bound_byte(h, d);
+            let (mut lo, mut hi) = (load(page, at), load(page, at + 2));
+            let (mut lo_x, mut hi_x) = (decode(format, lo), decode(format, hi));
+            for t in slots.clone() {
+                let bits = load(page, shape.k_byte(h, d, t));
+                let x = decode(format, bits);
+                // Comparisons with NaN are false: NaN keys never enter, and a NaN bound (a corrupt
+                // summary) is replaced by the first key.
+                if x < lo_x || lo_x.is_nan() {
+                    (lo, lo_x) = (bits, x);
+                }
+                if x > hi_x || hi_x.is_nan() {
+                    (hi, hi_x) = (bits, x);
+                }
+            }
+            store(page, at, lo);
+            store(page, at + 2, hi);
+        }
+    }
 }
 
 /// Writes `n` tokens of `f32` key and value rows into token slots `first_token..first_token + n` of
@@ -192,15 +228,15 @@ pub fn read_rows(
     k_out: &mut [f32],
     v_out: &mut [f32],
 ) -> Result<(), KernelError> {
-    let count = check_rows(shape, format, page.len(), token, k_out.len(), v_out.len())?;
+    let count = check_rows(shape, format, page, token, k_out.len(), v_out.len())?;
     let (heads, dim) = (shape.kv_heads, shape.head_dim);
     for i in 0..count {
         let slot = token + i;
         for h in 0..heads {
             let row = (i * heads + h) * dim;
             for d in 0..dim {
-                k_out[row + d] = decode(format, load(page, shape.k_index(h, d, slot)));
-                v_out[row + d] = decode(format, load(page, shape.v_index(h, slot, d)));
+                k_out[row + d] = decode(format, load(page, shape.k_byte(h, d, slot)));
+                v_out[row + d] = decode(format, load(page, shape.v_byte(h, slot, d)));
             }
         }
     }
@@ -211,26 +247,59 @@ pub fn read_rows(
 mod tests {
     use super::*;
 
+    use crate::format::header::init_page;
+
     const TINY: PageShape = PageShape { kv_heads: 2, head_dim: 3, block_tokens: 4 };
+
+    fn empty(format: Format) -> Vec<u8> {
+        let mut page = vec![0u8; TINY.page_bytes(format)];
+        init_page(TINY, format, &mut page).unwrap();
+        page
+    }
 
     #[test]
     fn one_token_lands_channel_major_in_k_and_row_major_in_v() {
-        let mut page = vec![0u8; TINY.page_bytes(Format::F16)];
+        let mut page = empty(Format::F16);
         let k: Vec<f32> = (1..=6).map(|x| x as f32).collect();
         let v: Vec<f32> = (11..=16).map(|x| x as f32).collect();
         write_rows(TINY, Format::F16, &mut page, 2, &k, &v).unwrap();
         // Head 1, channel 2 of the key is k[1 * 3 + 2] = 6.0, at slot 2 of that channel's run.
-        let idx = TINY.k_index(1, 2, 2);
-        assert_eq!(load(&page, idx), f16::from_f32(6.0).to_bits());
-        assert_eq!(load(&page, TINY.v_index(1, 2, 0)), f16::from_f32(14.0).to_bits());
+        assert_eq!(load(&page, TINY.k_byte(1, 2, 2)), f16::from_f32(6.0).to_bits());
+        assert_eq!(load(&page, TINY.v_byte(1, 2, 0)), f16::from_f32(14.0).to_bits());
         // Nothing else in slot 1 or 3 was touched.
-        assert_eq!(load(&page, TINY.k_index(1, 2, 1)), 0);
-        assert_eq!(load(&page, TINY.k_index(1, 2, 3)), 0);
+        assert_eq!(load(&page, TINY.k_byte(1, 2, 1)), 0);
+        assert_eq!(load(&page, TINY.k_byte(1, 2, 3)), 0);
+    }
+
+    #[test]
+    fn key_bounds_widen_with_every_write_and_skip_nan() {
+        let mut page = empty(Format::Bf16);
+        let at = TINY.bound_byte(1, 0);
+        let bounds = |page: &[u8]| (decode(Format::Bf16, load(page, at)), decode(Format::Bf16, load(page, at + 2)));
+        assert_eq!(bounds(&page), (f32::INFINITY, f32::NEG_INFINITY));
+        let mut k = [0.0f32; 6];
+        k[3] = 2.5;
+        write_rows(TINY, Format::Bf16, &mut page, 0, &k, &k).unwrap();
+        assert_eq!(bounds(&page), (2.5, 2.5));
+        k[3] = f32::NAN;
+        write_rows(TINY, Format::Bf16, &mut page, 1, &k, &k).unwrap();
+        assert_eq!(bounds(&page), (2.5, 2.5));
+        k[3] = -1.0;
+        write_rows(TINY, Format::Bf16, &mut page, 2, &k, &k).unwrap();
+        assert_eq!(bounds(&page), (-1.0, 2.5));
+    }
+
+    #[test]
+    fn rows_into_an_uninitialized_page_are_refused() {
+        let mut page = vec![0u8; TINY.page_bytes(Format::F16)];
+        let err = write_rows(TINY, Format::F16, &mut page, 0, &[0.0; 6], &[0.0; 6]).unwrap_err();
+        assert_eq!(err, KernelError::HeaderUninitialized);
+        assert!(page.iter().all(|&b| b == 0));
     }
 
     #[test]
     fn rows_past_the_last_slot_are_rejected() {
-        let mut page = vec![0u8; TINY.page_bytes(Format::Bf16)];
+        let mut page = empty(Format::Bf16);
         let rows = vec![0.0f32; 2 * 6];
         let err = write_rows(TINY, Format::Bf16, &mut page, 3, &rows, &rows).unwrap_err();
         assert_eq!(err, KernelError::TokenRange { first: 3, count: 2, block_tokens: 4 });

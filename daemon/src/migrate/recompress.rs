@@ -1,0 +1,134 @@
+//! Recompression in place: re-encode a session's full pages into a smaller format while its client
+//! keeps running, through the pin/migrate protocol.
+//!
+//! Under MIGRATING no client can pin the page, so the daemon reads the page out, quantizes it, writes
+//! the smaller encoding back at the same offset, publishes the new length and format with the
+//! generation bump, and returns the frame's tail to the allocator. No second frame is needed, so a
+//! full budget can still be relieved by compression. Lossy formats are one-way (f16 → q8 → q4 → q2);
+//! a page already at or below the target is left alone, and the tail page a client is still writing
+//! (fewer than `block_tokens` tokens published) stays in its element type.
+
+use std::ops::Range;
+
+use kvmm_kernels::Format;
+use kvmm_shm::PageLocation;
+
+use crate::daemon::Core;
+use crate::error::{Error, Result};
+
+/// What one recompression request did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecompressReport {
+    /// Pages re-encoded.
+    pub compressed: u32,
+    /// Pages skipped because the client held a pin.
+    pub skipped_pinned: u32,
+    /// Pages skipped because the client is still filling them.
+    pub skipped_not_full: u32,
+    /// Pages skipped because they are already at or below the target format.
+    pub skipped_already: u32,
+    /// Pages skipped because their bytes could not be encoded (e.g. NaN written by the client).
+    pub skipped_invalid: u32,
+    /// Frame bytes of the compressed pages before.
+    pub bytes_before: u64,
+    /// Frame bytes of the compressed pages after.
+    pub bytes_after: u64,
+}
+
+/// Precision rank (key plus value bits): a page may only move to a lower rank.
+fn rank(format: Format) -> u32 {
+    format.k_bits() + format.v_bits()
+}
+
+/// Re-encodes the full pages of `layers × blocks` of a session as `to`.
+pub fn recompress(
+    core: &mut Core,
+    session_id: u64,
+    layers: Range<u32>,
+    blocks: Range<u32>,
+    to: Format,
+    scratch: &mut Scratch,
+) -> Result<RecompressReport> {
+    if matches!(to, Format::F16 | Format::Bf16) {
+        return Err(Error::InvalidArgument(format!(
+            "{} is not a compressed format; recompress to q8, q4 or q2",
+            to.name()
+        )));
+    }
+    let Core { pool, sessions, .. } = core;
+    let s = sessions.get_mut_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
+    let g = s.geometry;
+    if layers.is_empty() || layers.end > g.layers {
+        return Err(Error::InvalidArgument(format!(
+            "layers {}..{} are out of range: session {session_id} has layers 0..{}",
+            layers.start, layers.end, g.layers
+        )));
+    }
+    let allocated = s.pages.allocated_blocks();
+    if blocks.is_empty() || blocks.end > allocated {
+        return Err(Error::InvalidArgument(format!(
+            "blocks {}..{} are out of range: session {session_id} has blocks 0..{allocated} allocated",
+            blocks.start, blocks.end
+        )));
+    }
+    let shape = g.page_shape();
+    let new_len = shape.page_bytes(to) as u64;
+    let uid = s.owner.uid;
+    let mut report = RecompressReport::default();
+    for layer in layers {
+        for block in blocks.clone() {
+            let Some(page) = s.pages.page(layer, block) else { continue };
+            if rank(page.format) <= rank(to) {
+                report.skipped_already += 1;
+                continue;
+            }
+            let tokens = s.region.entry(layer, block)?.tokens_clamped(g.block_tokens);
+            if tokens < g.block_tokens {
+                report.skipped_not_full += 1;
+                continue;
+            }
+            let entry = s.table.entry_writer(layer, block)?;
+            let ticket = match entry.try_begin_migrate(s.region.entry(layer, block)?) {
+                Ok(t) => t,
+                Err(_) => {
+                    report.skipped_pinned += 1;
+                    continue;
+                }
+            };
+            let arena = pool.arena(uid).ok_or_else(|| Error::FailedPrecondition(format!("uid {uid} has no arena")))?;
+            let Scratch { src, dst } = scratch;
+            src.resize(page.frame.len as usize, 0);
+            dst.resize(new_len as usize, 0);
+            arena.mapping().read_at(page.frame.offset as usize, src)?;
+            if let Err(e) = kvmm_kernels::quantize(shape, page.format, src, tokens as usize, to, dst) {
+                entry.abort_migrate(ticket);
+                tracing::debug!(session = session_id, layer, block, error = %e, "page not recompressed");
+                report.skipped_invalid += 1;
+                continue;
+            }
+            arena.mapping().write_at(page.frame.offset as usize, dst)?;
+            entry.finish_migrate(
+                ticket,
+                PageLocation {
+                    offset: page.frame.offset,
+                    len: new_len as u32,
+                    format: to.as_u8(),
+                    tier: PageLocation::TIER_DEVICE,
+                },
+            );
+            let shrunk = pool.shrink_frame(uid, page.frame, new_len)?;
+            s.pages.recompressed(layer, block, shrunk, to);
+            report.compressed += 1;
+            report.bytes_before += page.frame.footprint();
+            report.bytes_after += shrunk.footprint();
+        }
+    }
+    Ok(report)
+}
+
+/// Reused buffers: the page read out of the arena, and its new encoding.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
