@@ -103,6 +103,8 @@ pub struct Session {
     attn: Option<DecodeAttention>,
     /// Per-page attention mass of the last `attention` call.
     mass: Vec<f32>,
+    /// The format each page was read in by the last `attention` call.
+    formats: Vec<Format>,
     detached: bool,
 }
 
@@ -157,6 +159,7 @@ impl Session {
                     scale: 1.0 / (geometry.head_dim as f32).sqrt(),
                     attn: None,
                     mass: Vec::new(),
+                    formats: Vec::new(),
                     detached: false,
                     inner,
                 })
@@ -241,6 +244,12 @@ impl Session {
     /// Per-page attention mass of the last `attention` call (sums to 1).
     pub fn last_mass(&self) -> &[f32] {
         &self.mass
+    }
+
+    /// The format each page was in when the last `attention` call read it (pages change format when
+    /// the daemon recompresses them).
+    pub fn last_formats(&self) -> &[Format] {
+        &self.formats
     }
 
     fn check_layer(&self, layer: u32) -> Result<()> {
@@ -344,9 +353,12 @@ impl Session {
         };
         let mut mass = std::mem::take(&mut self.mass);
         mass.resize(pages as usize, 0.0);
-        let result = self.attend_pinned(layer, pages, n, &mut attn, out, &mut mass);
+        let mut formats = std::mem::take(&mut self.formats);
+        formats.clear();
+        let result = self.attend_pinned(layer, pages, n, &mut attn, out, &mut mass, &mut formats);
         self.attn = Some(attn);
         self.mass = mass;
+        self.formats = formats;
         result?;
         for (block, &m) in self.mass.iter().enumerate() {
             let e = self.region.entry(layer, block as u32)?;
@@ -356,6 +368,7 @@ impl Session {
     }
 
     /// Pins the layer's pages, feeds them to the kernel, writes the output, and unpins.
+    #[allow(clippy::too_many_arguments)]
     fn attend_pinned(
         &self,
         layer: u32,
@@ -364,6 +377,7 @@ impl Session {
         attn: &mut DecodeAttention,
         out: &mut [f32],
         mass: &mut [f32],
+        formats: &mut Vec<Format>,
     ) -> Result<()> {
         let bt = self.geometry.block_tokens;
         let _pins = self.pin_layer(layer, pages)?;
@@ -378,6 +392,7 @@ impl Session {
             // thread is the session's only writer and does not write during the call.
             let bytes = unsafe { self.arena.bytes(offset, len)? };
             let filled = if block + 1 == pages { tokens - block * bt } else { bt };
+            formats.push(format);
             // Feed the previous page while prefetching this one: pages are scattered in the arena.
             if let Some(prev) = current.replace(PageView { bytes, format, tokens: filled as usize }) {
                 attn.page_prefetching(prev, bytes)?;

@@ -30,6 +30,6 @@ pub use attention::{
 pub use error::{KernelError, KernelErrorKind};
 pub use format::bounds::key_bounds;
 pub use format::header::{HEADER_BYTES, PageHeader, init_page};
-pub use format::quant::{QuantLayout, dequantize, dequantize_with, quantize, quantize_with};
+pub use format::quant::{QuantLayout, dequantize, dequantize_with, quantize, quantize_with, requantize};
 pub use format::rows::{read_rows, write_rows, write_rows_f16, write_rows_f16_raw, write_rows_raw};
 pub use format::{ElementType, Format, PageShape};

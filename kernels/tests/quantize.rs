@@ -269,3 +269,37 @@ fn a_group_holding_both_zeros_gets_the_same_bytes_from_every_kernel() {
         assert_eq!(got, want, "{isa}");
     }
 }
+
+/// q8 → q4 goes through the element type: the result is the q4 encoding of the q8 page's values as a
+/// freshly written f16 page would hold them, and stepping up or sideways is refused.
+#[test]
+fn a_q8_page_requantizes_to_q4_through_its_decoded_values() {
+    use kvmm_kernels::format::{Format, PageShape};
+    use kvmm_kernels::{dequantize, init_page, quantize, requantize, write_rows};
+    let shape = PageShape { kv_heads: 2, head_dim: 32, block_tokens: 32 };
+    let n = 32 * 2 * 32;
+    let k: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
+    let v: Vec<f32> = (0..n).map(|i| ((i * 53 % 97) as f32 / 48.0) - 1.0).collect();
+    let mut f16_page = vec![0u8; shape.page_bytes(Format::F16)];
+    init_page(shape, Format::F16, &mut f16_page).unwrap();
+    write_rows(shape, Format::F16, &mut f16_page, 0, &k, &v).unwrap();
+    let mut q8 = vec![0u8; shape.page_bytes(Format::Q8)];
+    quantize(shape, Format::F16, &f16_page, 32, Format::Q8, &mut q8).unwrap();
+
+    let mut q4 = vec![0u8; shape.page_bytes(Format::Q4)];
+    requantize(shape, Format::F16, Format::Q8, &q8, 32, Format::Q4, &mut q4).unwrap();
+
+    // The same chain by hand.
+    let (mut k8, mut v8) = (vec![0f32; n], vec![0f32; n]);
+    dequantize(shape, Format::Q8, &q8, 32, &mut k8, &mut v8).unwrap();
+    let mut mid = vec![0u8; shape.page_bytes(Format::F16)];
+    init_page(shape, Format::F16, &mut mid).unwrap();
+    write_rows(shape, Format::F16, &mut mid, 0, &k8, &v8).unwrap();
+    let mut want = vec![0u8; shape.page_bytes(Format::Q4)];
+    quantize(shape, Format::F16, &mid, 32, Format::Q4, &mut want).unwrap();
+    assert_eq!(q4, want);
+
+    let mut back = vec![0u8; shape.page_bytes(Format::Q8)];
+    assert!(requantize(shape, Format::F16, Format::Q4, &q4, 32, Format::Q8, &mut back).is_err(), "never up");
+    assert!(requantize(shape, Format::F16, Format::Q8, &q8, 32, Format::Q8, &mut back).is_err(), "never sideways");
+}

@@ -111,6 +111,27 @@ impl Daemon {
         })
     }
 
+    /// Admin `Compress` of every full page of a session.
+    pub fn compress(&self, session_id: u64, format: kvmm_proto::v1::PageFormat) -> kvmm_proto::v1::CompressResponse {
+        self.try_compress(session_id, format).unwrap()
+    }
+
+    /// Admin `Compress` of every full page of a session, returning the status on refusal.
+    pub fn try_compress(
+        &self,
+        session_id: u64,
+        format: kvmm_proto::v1::PageFormat,
+    ) -> Result<kvmm_proto::v1::CompressResponse, tonic::Status> {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let channel = kvmm_client::connect::channel(&self.dir.path().join("kvmm-admin.sock")).await.unwrap();
+            AdminClient::new(channel)
+                .compress(kvmm_proto::v1::CompressRequest { session_id, format: format as i32, ..Default::default() })
+                .await
+                .map(tonic::Response::into_inner)
+        })
+    }
+
     /// Device-tier bytes in use.
     pub fn device_used(&self) -> u64 {
         self.status().tiers[0].used_bytes

@@ -40,7 +40,9 @@ pub fn churn(core: &mut Core, picker: &mut Picker, count: usize) -> Result<u64> 
         }
         let layer = picker.next(u64::from(s.geometry.layers)) as u32;
         let block = picker.next(u64::from(blocks)) as u32;
-        let (uid, len) = (s.owner.uid, s.geometry.page_bytes());
+        // The page's own frame size: recompressed pages are smaller than the geometry's pages.
+        let Some(frame) = s.pages.frame(layer, block) else { continue };
+        let (uid, len) = (s.owner.uid, frame.len);
         let Some(dst) = core.pool.alloc_move_target(uid, len, None)? else { continue };
         if move_page(core, uid, id, layer, block, dst)? == super::mover::MoveOutcome::Moved {
             moved += 1;

@@ -9,7 +9,7 @@
 use kvmm_shm::{MigrateSkip, PageLocation};
 
 use crate::daemon::Core;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::pool::Frame;
 
 /// What happened to a requested move.
@@ -49,12 +49,21 @@ fn move_inner(core: &mut Core, uid: u32, session_id: u64, layer: u32, block: u32
             return Ok(MoveOutcome::Skipped(MigrateSkip::NotResident));
         }
     };
-    let Some(src) = s.pages.frame(layer, block) else {
+    let Some(page) = s.pages.page(layer, block) else {
         pool.free_frame(uid, dst)?;
         return Ok(MoveOutcome::Skipped(MigrateSkip::NotResident));
     };
+    let src = page.frame;
+    if src.len != dst.len {
+        // The page changed size since the caller sized `dst` (it was recompressed): try again later.
+        pool.free_frame(uid, dst)?;
+        return Ok(MoveOutcome::Skipped(MigrateSkip::NotResident));
+    }
+    // Everything fallible is looked up before the page is marked MIGRATING, so a failure cannot leave
+    // it marked; from `try_begin_migrate` on, every path finishes or aborts the migration.
     let entry = s.table.entry_writer(layer, block)?;
     let client = s.region.entry(layer, block)?;
+    let arena = pool.arena(uid).ok_or_else(|| Error::FailedPrecondition(format!("uid {uid} has no arena")))?;
     let ticket = match entry.try_begin_migrate(client) {
         Ok(t) => t,
         Err(skip) => {
@@ -62,17 +71,19 @@ fn move_inner(core: &mut Core, uid: u32, session_id: u64, layer: u32, block: u32
             return Ok(MoveOutcome::Skipped(skip));
         }
     };
-    let arena =
-        pool.arena(uid).ok_or_else(|| crate::error::Error::FailedPrecondition(format!("uid {uid} has no arena")))?;
     if let Err(e) = arena.copy(src, dst) {
         entry.abort_migrate(ticket);
         pool.free_frame(uid, dst)?;
         return Err(e);
     }
-    let format = entry.location().format;
     entry.finish_migrate(
         ticket,
-        PageLocation { offset: dst.offset, len: dst.len as u32, format, tier: PageLocation::TIER_DEVICE },
+        PageLocation {
+            offset: dst.offset,
+            len: dst.len as u32,
+            format: page.format.as_u8(),
+            tier: PageLocation::TIER_DEVICE,
+        },
     );
     s.pages.replace(layer, block, dst);
     s.counters.moves += 1;

@@ -87,26 +87,44 @@ pub fn recompress(
                 report.skipped_not_full += 1;
                 continue;
             }
+            // Everything fallible that does not depend on the page's bytes is looked up before the
+            // page is marked MIGRATING; from `try_begin_migrate` on, every path finishes or aborts.
             let entry = s.table.entry_writer(layer, block)?;
-            let ticket = match entry.try_begin_migrate(s.region.entry(layer, block)?) {
+            let client = s.region.entry(layer, block)?;
+            let arena = pool.arena(uid).ok_or_else(|| Error::FailedPrecondition(format!("uid {uid} has no arena")))?;
+            let ticket = match entry.try_begin_migrate(client) {
                 Ok(t) => t,
                 Err(_) => {
                     report.skipped_pinned += 1;
                     continue;
                 }
             };
-            let arena = pool.arena(uid).ok_or_else(|| Error::FailedPrecondition(format!("uid {uid} has no arena")))?;
             let Scratch { src, dst } = scratch;
             src.resize(page.frame.len as usize, 0);
             dst.resize(new_len as usize, 0);
-            arena.mapping().read_at(page.frame.offset as usize, src)?;
-            if let Err(e) = kvmm_kernels::quantize(shape, page.format, src, tokens as usize, to, dst) {
-                entry.abort_migrate(ticket);
-                tracing::debug!(session = session_id, layer, block, error = %e, "page not recompressed");
-                report.skipped_invalid += 1;
-                continue;
+            let encoded =
+                arena.mapping().read_at(page.frame.offset as usize, src).map_err(Error::from).and_then(|()| {
+                    kvmm_kernels::requantize(shape, g.format(), page.format, src, tokens as usize, to, dst)
+                        .map_err(Error::from)
+                });
+            match encoded {
+                Ok(()) => {}
+                Err(Error::Kernel(e)) => {
+                    entry.abort_migrate(ticket);
+                    tracing::debug!(session = session_id, layer, block, error = %e, "page not recompressed");
+                    report.skipped_invalid += 1;
+                    continue;
+                }
+                Err(e) => {
+                    entry.abort_migrate(ticket);
+                    return Err(e);
+                }
             }
-            arena.mapping().write_at(page.frame.offset as usize, dst)?;
+            if let Err(e) = arena.mapping().write_at(page.frame.offset as usize, dst) {
+                // `write_at` checks its range before writing a byte, so the old page is intact.
+                entry.abort_migrate(ticket);
+                return Err(e.into());
+            }
             entry.finish_migrate(
                 ticket,
                 PageLocation {

@@ -409,6 +409,34 @@ pub fn dequantize(
     dequantize_with(Isa::detect(), shape, format, page, tokens, k_out, v_out)
 }
 
+/// Re-encodes the first `tokens` slots of a page of any format as the lower format `to`: decodes it,
+/// writes the values into a `via` page (f16 or bf16, the session's element type, so this is the same
+/// rounding a freshly written page gets), and quantizes that. Used to step a quantized page further
+/// down (q8 → q4 → q2); a 16-bit source is quantized directly. `to` must have fewer bits than `from`.
+pub fn requantize(
+    shape: PageShape,
+    via: Format,
+    from: Format,
+    src: &[u8],
+    tokens: usize,
+    to: Format,
+    dst: &mut [u8],
+) -> Result<(), KernelError> {
+    if !from.is_quantized() {
+        return quantize(shape, from, src, tokens, to, dst);
+    }
+    if via.is_quantized() || !to.is_quantized() || to.k_bits() + to.v_bits() >= from.k_bits() + from.v_bits() {
+        return Err(KernelError::QuantizePair { from, to });
+    }
+    let n = tokens * shape.kv_heads * shape.head_dim;
+    let (mut k, mut v) = (vec![0f32; n], vec![0f32; n]);
+    dequantize(shape, from, src, tokens, &mut k, &mut v)?;
+    let mut page = vec![0u8; shape.page_bytes(via)];
+    crate::format::header::init_page(shape, via, &mut page)?;
+    crate::format::rows::write_rows(shape, via, &mut page, 0, &k, &v)?;
+    quantize(shape, via, &page, tokens, to, dst)
+}
+
 /// [`dequantize`] with a chosen kernel (for tests and benchmarks); every kernel gives the same bits.
 pub fn dequantize_with(
     isa: Isa,

@@ -7,9 +7,11 @@
 //! exits 2.
 //!
 //! Modes:
-//! - `run [geometry] --tokens N`: attach, append N tokens to every layer with attention on every layer
-//!   at every step, print `appended ...`, then obey commands: `check K`, `append K`, `loop` (attention
-//!   rounds until `stop`), `stats`, `exit`.
+//! - `run [geometry] --tokens N [--requantized-from q8]`: attach, append N tokens to every layer with
+//!   attention on every layer at every step, print `appended ...`, then obey commands: `check K`,
+//!   `append K`, `loop` (attention rounds until `stop`), `stats`, `exit`. Pages the daemon has
+//!   recompressed are checked against this process's own K/V passed through the same quantizer
+//!   (through the `--requantized-from` format first, when pages step down from it).
 //! - `append-forever [geometry]`: append and attend until killed, printing `progress tokens=T`.
 //! - `raw-attach [geometry] [--fetch]`: Attach over gRPC without the library; print the session id
 //!   and token (and, with --fetch, the received arena's inode), then wait for `exit`.
@@ -95,6 +97,9 @@ fn die(e: kvmm_client::Error) -> ! {
     std::process::exit(2);
 }
 
+/// Keys and values of a page, token-major.
+type Rows = (Vec<f32>, Vec<f32>);
+
 /// A session plus the private copy of its K/V.
 struct Checked {
     session: Session,
@@ -104,6 +109,13 @@ struct Checked {
     rng: Rng,
     attentions: u64,
     worst: f64,
+    /// Pages read in each format (by format code), over all attentions.
+    formats_seen: std::collections::BTreeMap<u8, u64>,
+    /// This process's own K/V of a page passed through the daemon's quantizer: what a recompressed
+    /// page must decode to, keyed by (layer, block, format code).
+    requantized: HashMap<(u32, u32, u8), Rows>,
+    /// The format lower pages were recompressed from (`--requantized-from q8`), if not from 16-bit.
+    via: Option<kvmm_kernels::format::Format>,
 }
 
 impl Checked {
@@ -124,6 +136,51 @@ impl Checked {
         }
     }
 
+    /// The K/V this process expects the daemon's pages to hold, given the format each page was read
+    /// in: its own rows for 16-bit pages, its own rows quantized and decoded for compressed ones
+    /// (quantization is deterministic, so this is exact).
+    fn expected_rows(&mut self, layer: u32) -> (Vec<f32>, Vec<f32>) {
+        let (g, bt) = (self.g, self.g.block_tokens as usize);
+        let row = (g.kv_heads * g.head_dim) as usize;
+        let (keys, values) = (&self.keys[layer as usize], &self.values[layer as usize]);
+        let formats = self.session.last_formats().to_vec();
+        let mut k = Vec::with_capacity(keys.len());
+        let mut v = Vec::with_capacity(values.len());
+        for (block, format) in formats.into_iter().enumerate() {
+            *self.formats_seen.entry(format.as_u8()).or_default() += 1;
+            let span = block * bt * row..((block + 1) * bt * row).min(keys.len());
+            if !format.is_quantized() {
+                k.extend_from_slice(&keys[span.clone()]);
+                v.extend_from_slice(&values[span]);
+                continue;
+            }
+            let via = self.via;
+            let (kq, vq) = self.requantized.entry((layer, block as u32, format.as_u8())).or_insert_with(|| {
+                let shape = g.page_shape();
+                let mut page = vec![0u8; shape.page_bytes(g.format())];
+                kvmm_kernels::init_page(shape, g.format(), &mut page).unwrap();
+                kvmm_kernels::write_rows(shape, g.format(), &mut page, 0, &keys[span.clone()], &values[span.clone()])
+                    .unwrap();
+                let mut q = vec![0u8; shape.page_bytes(format)];
+                match via.filter(|v| v.k_bits() + v.v_bits() > format.k_bits() + format.v_bits()) {
+                    // The daemon stepped this page down from `via`: quantize to it first, as it did.
+                    Some(via) => {
+                        let mut mid = vec![0u8; shape.page_bytes(via)];
+                        kvmm_kernels::quantize(shape, g.format(), &page, bt, via, &mut mid).unwrap();
+                        kvmm_kernels::requantize(shape, g.format(), via, &mid, bt, format, &mut q).unwrap();
+                    }
+                    None => kvmm_kernels::quantize(shape, g.format(), &page, bt, format, &mut q).unwrap(),
+                }
+                let (mut kd, mut vd) = (vec![0f32; bt * row], vec![0f32; bt * row]);
+                kvmm_kernels::dequantize(shape, format, &q, bt, &mut kd, &mut vd).unwrap();
+                (kd, vd)
+            });
+            k.extend_from_slice(kq);
+            v.extend_from_slice(vq);
+        }
+        (k, v)
+    }
+
     fn attend(&mut self, layer: u32) {
         let g = self.g;
         let n = (g.q_heads * g.head_dim) as usize;
@@ -132,13 +189,14 @@ impl Checked {
         self.session.attention(layer, &q, &mut out).unwrap_or_else(|e| die(e));
         let mut want = vec![0f32; n];
         let scale = 1.0 / (g.head_dim as f32).sqrt();
+        let (keys, values) = self.expected_rows(layer);
         reference_attention_f32(
             g.q_heads as usize,
             g.kv_heads as usize,
             g.head_dim as usize,
             &q,
-            &self.keys[layer as usize],
-            &self.values[layer as usize],
+            &keys,
+            &values,
             scale,
             &mut want,
         )
@@ -170,14 +228,20 @@ impl Checked {
 
     fn report(&self, what: &str) {
         let s = self.session.stats().unwrap_or_else(|e| die(e));
+        let seen: Vec<String> = self
+            .formats_seen
+            .iter()
+            .map(|(f, n)| format!("{}:{n}", kvmm_kernels::format::Format::from_u8(*f).map_or("?", |f| f.name())))
+            .collect();
         println!(
-            "{what} session={} tokens={} device_bytes={} moved={} attentions={} worst_rel_err={:e}",
+            "{what} session={} tokens={} device_bytes={} moved={} attentions={} worst_rel_err={:e} formats_seen={}",
             self.session.id(),
             s.tokens,
             s.device_bytes,
             s.pages_moved,
             self.attentions,
-            self.worst
+            self.worst,
+            seen.join(",")
         );
     }
 }
@@ -208,6 +272,14 @@ fn run(a: &Args, forever: bool) {
         rng: Rng(a.get("seed", 1u64) | 1),
         attentions: 0,
         worst: 0.0,
+        formats_seen: Default::default(),
+        requantized: HashMap::new(),
+        via: a.0.get("requantized-from").map(|name| {
+            kvmm_kernels::format::Format::ALL
+                .into_iter()
+                .find(|f| f.name() == name)
+                .unwrap_or_else(|| panic!("unknown format {name}"))
+        }),
     };
     println!("attached session={}", c.session.id());
     if forever {

@@ -1,0 +1,106 @@
+//! While clients run attention continuously (and the daemon also moves their pages between frames),
+//! the daemon recompresses their full pages in place, f16 → q8 → q4. Every output stays equal, to
+//! float rounding, to a reference over the client's own K/V passed through the same quantizer for the
+//! pages that were compressed when they were read: no client ever sees a torn or half-encoded page.
+//! The tail pages, still being written, stay f16; the device bytes shrink.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use kvmm_proto::v1::PageFormat;
+use kvmm_tests::{Daemon, Worker, fields, spawn_client};
+
+/// Compresses every full page of a session to `format`, retrying pages a client had pinned.
+fn compress_all(daemon: &Daemon, client: &mut Worker, session: u64, format: PageFormat, full_pages: u32) -> u32 {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut done = 0;
+    loop {
+        let r = match daemon.try_compress(session, format) {
+            Ok(r) => r,
+            Err(e) => panic!("{e:?}; the client said: {}", client.expect_line("")),
+        };
+        done += r.compressed;
+        if r.skipped_pinned == 0 {
+            assert_eq!(done, full_pages, "{r:?}");
+            return done;
+        }
+        assert!(Instant::now() < deadline, "pages stayed pinned: {r:?}");
+    }
+}
+
+#[test]
+fn pages_recompressed_under_running_attention_decode_exactly_as_quantized() {
+    let daemon = Daemon::start(&["--device-budget", "64MiB", "--debug-move-churn"]);
+    // 300 tokens at 32 per page: 9 full pages and a tail of 12 tokens, per layer.
+    let mut clients = [
+        spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "21", "--requantized-from", "q8"]),
+        spawn_client(
+            "run",
+            &daemon,
+            &[
+                "--layers",
+                "3",
+                "--kv-heads",
+                "2",
+                "--q-heads",
+                "8",
+                "--head-dim",
+                "32",
+                "--bf16",
+                "--tokens",
+                "300",
+                "--seed",
+                "22",
+                "--requantized-from",
+                "q8",
+            ],
+        ),
+    ];
+    let mut sessions = Vec::new();
+    for (c, layers) in clients.iter_mut().zip([2u32, 3]) {
+        let f = fields(&c.expect_line("appended"));
+        sessions.push((f["session"].parse::<u64>().unwrap(), layers, f["device_bytes"].parse::<u64>().unwrap()));
+        c.send("loop");
+    }
+    let before = daemon.status().tiers[0].used_bytes;
+
+    for format in [PageFormat::Q8, PageFormat::Q4] {
+        for (client, &(session, layers, _)) in clients.iter_mut().zip(&sessions) {
+            compress_all(&daemon, client, session, format, 9 * layers);
+        }
+        // Let the clients read the pages in their new format for a while.
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    // Already at q4: nothing more to do; back up to q8 is refused as a no-op.
+    let again = daemon.compress(sessions[0].0, PageFormat::Q8);
+    assert_eq!((again.compressed, again.skipped_already), (0, 18), "{again:?}");
+    let f16 = daemon.try_compress(sessions[0].0, PageFormat::F16).unwrap_err();
+    assert_eq!(f16.code(), tonic::Code::InvalidArgument, "{f16:?}");
+
+    let after = daemon.status();
+    println!("device bytes: {before} before, {} after recompression to q4", after.tiers[0].used_bytes);
+    assert!(after.tiers[0].used_bytes < before / 2, "q4 pages take less than half of f16");
+    assert_eq!(after.tiers[0].used_bytes, after.session_bytes);
+
+    for (c, &(_, _, first_bytes)) in clients.iter_mut().zip(&sessions) {
+        c.send("stop");
+        let line = c.expect_line("looped");
+        println!("{line}");
+        let f = fields(&line);
+        assert!(f["attentions"].parse::<u64>().unwrap() > 0);
+        let seen = &f["formats_seen"];
+        assert!(seen.contains("q8:") && seen.contains("q4:"), "read pages in q8 and q4: {seen}");
+        assert!(f["device_bytes"].parse::<u64>().unwrap() < first_bytes);
+        // The tail page is still f16 and still writable.
+        c.send("append 40");
+        c.expect_line("appended");
+        c.send("exit");
+        c.expect_line("detached");
+        assert!(c.wait(Duration::from_secs(10)).success());
+    }
+    println!("{} page moves ran alongside", after.pages_moved);
+    let (status, _) = daemon.wait_status(Duration::from_secs(5), |s| s.sessions == 0);
+    assert_eq!(status.tiers[0].used_bytes, 0);
+    assert!(daemon.stop().success());
+}
