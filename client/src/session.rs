@@ -105,6 +105,8 @@ pub struct Session {
     mass: Vec<f32>,
     /// The format each page was read in by the last `attention` call.
     formats: Vec<Format>,
+    /// Most pages one `attention` call reads (query-aware selection); `None` reads every page.
+    page_budget: Option<usize>,
     detached: bool,
 }
 
@@ -160,6 +162,7 @@ impl Session {
                     attn: None,
                     mass: Vec::new(),
                     formats: Vec::new(),
+                    page_budget: None,
                     detached: false,
                     inner,
                 })
@@ -241,7 +244,23 @@ impl Session {
         self.scale = scale;
     }
 
-    /// Per-page attention mass of the last `attention` call (sums to 1).
+    /// Limits each `attention` call to `pages` pages (at least 3: the first page, the two most recent,
+    /// and the pages whose key bounds allow the largest attention share for the query), or reads
+    /// every page with `None`. Sparse attention reads less memory; it is exact when the budget covers
+    /// the layer.
+    pub fn set_page_budget(&mut self, pages: Option<usize>) -> Result<()> {
+        if let Some(n) = pages
+            && n < 3
+        {
+            return Err(Error::InvalidArgument(format!(
+                "a page budget of {n} is too small: the first page and the two most recent are always read, so use at least 3"
+            )));
+        }
+        self.page_budget = pages;
+        Ok(())
+    }
+
+    /// Per-page attention mass of the last `attention` call (sums to 1; 0 for pages not read).
     pub fn last_mass(&self) -> &[f32] {
         &self.mass
     }
@@ -355,7 +374,7 @@ impl Session {
         mass.resize(pages as usize, 0.0);
         let mut formats = std::mem::take(&mut self.formats);
         formats.clear();
-        let result = self.attend_pinned(layer, pages, n, &mut attn, out, &mut mass, &mut formats);
+        let result = self.attend_pinned(q, layer, pages, n, &mut attn, out, &mut mass, &mut formats);
         self.attn = Some(attn);
         self.mass = mass;
         self.formats = formats;
@@ -371,6 +390,7 @@ impl Session {
     #[allow(clippy::too_many_arguments)]
     fn attend_pinned(
         &self,
+        q: &[f32],
         layer: u32,
         pages: u32,
         tokens: u32,
@@ -381,7 +401,7 @@ impl Session {
     ) -> Result<()> {
         let bt = self.geometry.block_tokens;
         let _pins = self.pin_layer(layer, pages)?;
-        let mut current: Option<PageView<'_>> = None;
+        let mut views = Vec::with_capacity(pages as usize);
         for block in 0..pages {
             let loc = self.table.entry(layer, block)?.location();
             let (offset, len) = self.checked(loc)?;
@@ -393,15 +413,31 @@ impl Session {
             let bytes = unsafe { self.arena.bytes(offset, len)? };
             let filled = if block + 1 == pages { tokens - block * bt } else { bt };
             formats.push(format);
-            // Feed the previous page while prefetching this one: pages are scattered in the arena.
-            if let Some(prev) = current.replace(PageView { bytes, format, tokens: filled as usize }) {
-                attn.page_prefetching(prev, bytes)?;
+            views.push(PageView { bytes, format, tokens: filled as usize });
+        }
+        let selected: Vec<usize> = match self.page_budget {
+            Some(budget) if budget < views.len() => {
+                kvmm_kernels::select_pages(self.shape, q, self.scale, &views, budget)?
+            }
+            _ => (0..views.len()).collect(),
+        };
+        // Feed each page with the next one as a prefetch hint: pages are scattered in the arena.
+        for (i, &p) in selected.iter().enumerate() {
+            match selected.get(i + 1) {
+                Some(&next) => attn.page_prefetching(views[p], views[next].bytes)?,
+                None => attn.page(views[p])?,
             }
         }
-        if let Some(last) = current {
-            attn.page(last)?;
+        if selected.len() == views.len() {
+            attn.write_output(out, mass)?;
+        } else {
+            let mut read = vec![0f32; selected.len()];
+            attn.write_output(out, &mut read)?;
+            mass.fill(0.0);
+            for (&p, &m) in selected.iter().zip(&read) {
+                mass[p] = m;
+            }
         }
-        attn.write_output(out, mass)?;
         Ok(())
     }
 

@@ -220,6 +220,37 @@ impl Checked {
         }
     }
 
+    /// Attention with a page budget against the same call without one: how many pages were read,
+    /// and how far the sparse output is from the full one.
+    fn sparse(&mut self, rounds: usize, budget: usize) {
+        let g = self.g;
+        let n = (g.q_heads * g.head_dim) as usize;
+        let (mut max_read, mut worst, mut sum, mut calls) = (0usize, 0f64, 0f64, 0usize);
+        for _ in 0..rounds {
+            for layer in 0..g.layers {
+                let q = self.rng.vec(n);
+                let (mut sparse, mut full) = (vec![0f32; n], vec![0f32; n]);
+                self.session.set_page_budget(Some(budget)).unwrap_or_else(|e| die(e));
+                self.session.attention(layer, &q, &mut sparse).unwrap_or_else(|e| die(e));
+                let read = self.session.last_mass().iter().filter(|&&m| m > 0.0).count();
+                self.session.set_page_budget(None).unwrap_or_else(|e| die(e));
+                self.session.attention(layer, &q, &mut full).unwrap_or_else(|e| die(e));
+                let (mut d, mut nrm) = (0f64, 0f64);
+                for (a, b) in sparse.iter().zip(&full) {
+                    d += f64::from(a - b).powi(2);
+                    nrm += f64::from(*b).powi(2);
+                }
+                let rel = (d / nrm.max(1e-30)).sqrt();
+                (max_read, worst, sum, calls) = (max_read.max(read), worst.max(rel), sum + rel, calls + 1);
+            }
+        }
+        println!(
+            "sparse budget={budget} pages={} max_read={max_read} mean_rel_err={:e} max_rel_err={worst:e}",
+            self.session.allocated_blocks().min(self.session.tokens(0).div_ceil(g.block_tokens)),
+            sum / calls as f64
+        );
+    }
+
     fn round(&mut self) {
         for layer in 0..self.g.layers {
             self.attend(layer);
@@ -312,6 +343,14 @@ fn run(a: &Args, forever: bool) {
                 }
                 c.report(&format!("looped rounds={rounds}"));
             }
+            (Some("sparse"), Some(rounds)) => {
+                let budget: usize = words.next().and_then(|w| w.parse().ok()).expect("sparse ROUNDS BUDGET");
+                c.sparse(rounds, budget);
+            }
+            (Some("bad-budget"), _) => match c.session.set_page_budget(Some(2)) {
+                Ok(()) => println!("unexpected ok"),
+                Err(e) => println!("error code={:?} msg={}", e.code(), e),
+            },
             (Some("bad-query"), _) => {
                 let mut out = vec![0f32; (g.q_heads * g.head_dim) as usize];
                 match c.session.attention(0, &[0.0; 3], &mut out) {
