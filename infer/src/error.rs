@@ -100,6 +100,15 @@ pub enum InferError {
     #[error("{0}")]
     InvalidArgument(String),
 
+    /// A page kernel refused a call (a geometry its pages cannot hold, a buffer of the wrong size).
+    #[error("the page kernels refused to {what}")]
+    Kernel {
+        /// What was being done, as the end of the sentence "the page kernels refused to ...".
+        what: String,
+        /// The kernels' own error.
+        source: kvmm_kernels::KernelError,
+    },
+
     /// A KV cache implementation failed.
     #[error("the KV cache failed on layer {layer}")]
     Cache {
@@ -119,7 +128,7 @@ impl InferError {
                 InferErrorKind::BadFile
             }
             Self::Config { .. } | Self::WeightShape { .. } => InferErrorKind::BadConfig,
-            Self::InvalidArgument(_) => InferErrorKind::InvalidArgument,
+            Self::InvalidArgument(_) | Self::Kernel { .. } => InferErrorKind::InvalidArgument,
             Self::Cache { .. } => InferErrorKind::Cache,
         }
     }

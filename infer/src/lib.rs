@@ -22,6 +22,8 @@
 //! - [`Forward`] ([`forward`]): one token through the network; [`generate_greedy`] ([`generate`]).
 //! - [`KvTrace`] ([`trace`]): queries, keys and values recorded over a sequence, written as a
 //!   `.kvfx` fixture by [`fixture`].
+//! - [`quality`]: what kvmm's compressed page formats and page selection do to the attention
+//!   output on a fixture's real K/V, against an `f64` reference over the original `f32` rows.
 //!
 //! # Tools
 //!
@@ -56,6 +58,16 @@
 //!     --text infer/texts/us-constitution.txt --max-tokens 2048 \
 //!     --out ~/.cache/kvmm/fixtures/smollm2_text_2048.kvfx
 //! ```
+//!
+//! `kvmm-kv-quality` scores kvmm's page formats on a fixture's real K/V (see [`quality`]): per
+//! format and layer, the relative error and cosine of the attention output with the old pages
+//! quantized and the last 128 tokens exact, the KIVI layout against per-token keys at 4 bits, and
+//! page selection at a 25% page budget:
+//!
+//! ```text
+//! cargo run --release -p kvmm-infer --bin kvmm-kv-quality -- \
+//!     --fixture ~/.cache/kvmm/fixtures/smollm2_text_2048.kvfx --markdown
+//! ```
 
 #![forbid(unsafe_code)]
 
@@ -69,6 +81,7 @@ pub mod gguf;
 pub mod kv_cache;
 pub mod matmul;
 pub mod model;
+pub mod quality;
 pub mod quant;
 pub mod rope;
 pub mod tokenizer;
