@@ -4,7 +4,8 @@
 //! Shapes: SmolLM2 (9 query heads, 3 KV heads, head_dim 64) and Llama-3-8B (32/8/128), block_tokens
 //! 32, contexts of 4096 and 32768 tokens stored as full pages in one contiguous private buffer per
 //! format: f16 pages written row by row, and the same rows quantized to q8, q4, q2 and k8v4.
-//! Criterion times every available kernel on f16, the best kernel on each quantized format, and the
+//! Criterion times every available kernel on f16, every AVX-512 kernel on each quantized format
+//! (the integer `avx512vnni` beside its fallback `avx512`, or the best kernel elsewhere), and the
 //! streaming sum (throughput in bytes of pages read); then, in benchmark mode, a summary table gives
 //! for each shape, context, format and kernel the attention bandwidth, the streaming bandwidth of a
 //! buffer of the same size, their ratio (target ≥ 0.6 for the best f16 kernel at 32k), tokens per
@@ -154,9 +155,16 @@ impl Stored {
             .collect()
     }
 
-    /// The kernels benchmarked on this format: every one for f16, the best for the others.
+    /// The kernels benchmarked on this format: every one for f16; for the others the best, and
+    /// beside it every other AVX-512 kernel (the FMA kernel is the fallback of the VNNI one).
     fn isas(&self) -> Vec<Isa> {
-        if self.format == Format::F16 { Isa::available() } else { vec![Isa::detect()] }
+        if self.format == Format::F16 {
+            return Isa::available();
+        }
+        let best = Isa::detect();
+        let mut isas: Vec<Isa> = Isa::available().into_iter().filter(|isa| isa.is_avx512() && *isa != best).collect();
+        isas.push(best);
+        isas
     }
 }
 

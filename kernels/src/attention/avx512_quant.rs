@@ -26,6 +26,9 @@
 //! Prefetching follows `kernel.rs`: while reading one KV head, the next head's (or the next page's
 //! first head's) parameters at the start and its code rows alongside the rows being read.
 //!
+//! `avx512_vnni.rs` reuses this file's query scaling and score tiles (its fallback for coarse
+//! integer queries) and its whole value pass (`weigh_tokens`, `accumulate`).
+//!
 //! Pages of fewer than 16 token slots go to the scalar kernel (the dispatcher checks). Memory safety
 //! rests on the length contract of `kernel.rs`, checked by the dispatcher before each page, and on
 //! the header check that fixed the page's format and shape: every pointer below is derived from
@@ -65,23 +68,23 @@ pub(super) unsafe fn page(job: &PageJob<'_>, run: &mut Running<'_>) {
 
 /// Byte extents of one KV head's sections in a page with `KB`-bit keys and `VB`-bit values.
 #[derive(Clone, Copy)]
-struct HeadBytes {
+pub(super) struct HeadBytes {
     /// Key parameters then codes of one head.
-    k: usize,
+    pub k: usize,
     /// Value parameters then codes of one head.
-    v: usize,
+    pub v: usize,
     /// Bytes of the key parameters (`4 × head_dim`).
-    k_params: usize,
+    pub k_params: usize,
     /// Bytes of the value parameters (`4 × groups × block_tokens`).
-    v_params: usize,
+    pub v_params: usize,
     /// Bytes of one channel's key codes.
-    k_row: usize,
+    pub k_row: usize,
     /// Bytes of one token's value codes.
-    v_row: usize,
+    pub v_row: usize,
 }
 
 impl HeadBytes {
-    const fn new<const KB: usize, const VB: usize>(dim: usize, block: usize) -> HeadBytes {
+    pub const fn new<const KB: usize, const VB: usize>(dim: usize, block: usize) -> HeadBytes {
         let groups = dim.div_ceil(V_GROUP);
         let (k_row, v_row) = (block * KB / 8, dim * VB / 8);
         HeadBytes {
@@ -286,7 +289,7 @@ pub(crate) unsafe fn params16(src: *const u8) -> (__m512, __m512) {
 /// `params` readable for `4 × dim` bytes, `q` for `heads × dim` floats, `qk` writable for
 /// `heads × dim` floats; `heads ≤ 8`, `dim` a multiple of 16.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn scale_query(
+pub(super) unsafe fn scale_query(
     params: *const u8,
     dim: usize,
     q: *const f32,
@@ -322,7 +325,7 @@ unsafe fn scale_query(
 /// start. `ahead` is a prefetch target laid out like `k`.
 #[expect(clippy::too_many_arguments, reason = "a register-tiled inner kernel; a struct would obscure it")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn score_tile<const G: usize, const NV: usize, const KB: usize>(
+pub(super) unsafe fn score_tile<const G: usize, const NV: usize, const KB: usize>(
     k: *const u8,
     row: usize,
     dim: usize,
@@ -423,7 +426,7 @@ fn deinterleave(first: __m512, second: __m512) -> (__m512, __m512) {
 #[expect(clippy::too_many_arguments, reason = "a register-tiled inner kernel; a struct would obscure it")]
 #[expect(clippy::needless_range_loop, reason = "`j` indexes parameter rows and bias columns alike")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn weigh_tokens(
+pub(super) unsafe fn weigh_tokens(
     params: *const u8,
     block: usize,
     groups: usize,
@@ -460,23 +463,23 @@ unsafe fn weigh_tokens(
 
 /// The value codes and weights one [`accumulate`] call reads.
 #[derive(Clone, Copy)]
-struct ValueTile {
+pub(super) struct ValueTile {
     /// Value codes of token 0 at channel `c` of a head's token-major codes.
-    v: *const u8,
+    pub v: *const u8,
     /// Bytes per token row of codes.
-    row: usize,
+    pub row: usize,
     /// Filled tokens.
-    tokens: usize,
+    pub tokens: usize,
     /// The weights from [`weigh_tokens`] of the tile's first head.
-    weights: *const f32,
+    pub weights: *const f32,
     /// Value groups per token.
-    groups: usize,
+    pub groups: usize,
     /// Token slots per page (the weights' row length).
-    block: usize,
+    pub block: usize,
     /// First channel of the tile; a multiple of 32 when the tile is wider than 16 channels.
-    c: usize,
+    pub c: usize,
     /// Prefetch target laid out like `v`.
-    pf: Prefetch,
+    pub pf: Prefetch,
 }
 
 /// `acc[g] = alpha[g] × acc[g] + bias[g][group] + Σ_{t < tokens} weights[g][group][t] × c_t` over
@@ -489,7 +492,7 @@ struct ValueTile {
 /// WC − 1) / 32 < groups`, and `tile.c` is a multiple of 32 when `WC ≥ 2`; `alpha` has `G` floats;
 /// `acc` has `G` rows of `dim` floats with `16 × WC` readable and writable from each row start.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn accumulate<const G: usize, const WC: usize, const VB: usize>(
+pub(super) unsafe fn accumulate<const G: usize, const WC: usize, const VB: usize>(
     tile: &ValueTile,
     alpha: *const f32,
     bias: &[[f32; 256 / V_GROUP]; MAX_TILE_HEADS],

@@ -20,6 +20,10 @@ pub enum Isa {
     Avx2,
     /// x86-64 AVX-512 F/BW/VL (plus AVX2, FMA, F16C), 16 lanes.
     Avx512,
+    /// [`Isa::Avx512`] plus AVX-512 DQ, VNNI and VBMI: the same kernel for 16-bit pages; for
+    /// quantized pages, key scores from 16-bit integer dot products (`vpdpwssd` on codes rearranged
+    /// with `vpermb`), and a dequantizer that transposes key codes as bytes.
+    Avx512Vnni,
     /// aarch64 Advanced SIMD, 4 lanes.
     Neon,
 }
@@ -28,7 +32,7 @@ static DETECTED: OnceLock<Isa> = OnceLock::new();
 
 impl Isa {
     /// Every implementation, best last.
-    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Neon, Isa::Avx2, Isa::Avx512];
+    pub const ALL: [Isa; 5] = [Isa::Scalar, Isa::Neon, Isa::Avx2, Isa::Avx512, Isa::Avx512Vnni];
 
     /// Short lowercase name, as used in bench ids and messages.
     pub const fn name(self) -> &'static str {
@@ -36,6 +40,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Avx512Vnni => "avx512vnni",
             Isa::Neon => "neon",
         }
     }
@@ -55,11 +60,24 @@ impl Isa {
                     && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vl")
             }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => {
+                Isa::Avx512.is_available()
+                    && is_x86_feature_detected!("avx512dq")
+                    && is_x86_feature_detected!("avx512vnni")
+                    && is_x86_feature_detected!("avx512vbmi")
+            }
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             #[allow(unreachable_patterns, reason = "which arms exist depends on the target")]
             _ => false,
         }
+    }
+
+    /// Whether this is one of the AVX-512 kernels, which share the 16-bit page kernel, the quantizer
+    /// and page selection.
+    pub const fn is_avx512(self) -> bool {
+        matches!(self, Isa::Avx512 | Isa::Avx512Vnni)
     }
 
     /// Every implementation available here, scalar first, best last.
@@ -81,7 +99,7 @@ impl fmt::Display for Isa {
 
 /// Runs one page through the kernel of `isa`, or the scalar kernel where `isa` has no path for the
 /// page's format (quantized pages on AVX2 and NEON; quantized pages of fewer than 16 tokens on
-/// AVX-512).
+/// AVX-512). Both AVX-512 kernels share the 16-bit page kernel; they differ on quantized pages.
 ///
 /// `isa` MUST have passed [`Isa::is_available`]; [`super::DecodeAttention`] only stores such values.
 /// The lengths in `run` are checked here, since the SIMD kernels index with raw pointers.
@@ -98,7 +116,14 @@ pub(crate) fn run_page(isa: Isa, job: &PageJob<'_>, run: &mut Running<'_>) {
             unsafe { super::avx512_quant::page(job, run) }
         }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 if !quantized => {
+        Isa::Avx512Vnni if quantized && job.shape.block_tokens >= 16 => {
+            // SAFETY: `isa` passed `is_available`, so avx512f/bw/vl/dq/vnni/vbmi, avx2, fma and f16c
+            // were detected on this CPU; `check` above established the length contract of
+            // `kernel.rs`, and `block_tokens ≥ 16` was just tested.
+            unsafe { super::avx512_vnni::page(job, run) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Vnni if !quantized => {
             // SAFETY: `isa` passed `is_available`, so avx512f/bw/vl, avx2, fma and f16c were
             // detected on this CPU; `check` above established the length contract of `kernel.rs`.
             unsafe { super::avx512::page(job, run) }

@@ -1,7 +1,9 @@
 //! The contract between [`super::DecodeAttention`] and the per-ISA page kernels.
 //!
 //! A page kernel folds one validated page into the running online-softmax state of every query head.
-//! All kernels MUST compute the same thing (up to `f32` rounding and the accuracy of their `exp`):
+//! All kernels MUST compute the same thing (up to `f32` rounding and the accuracy of their `exp`;
+//! the integer key scores of `avx512_vnni.rs` also quantize the scaled query to i16 per page, which
+//! it bounds and documents):
 //!
 //! ```text
 //!   for every query head qh, with kv = qh / group, and r = reference[qh]:

@@ -20,8 +20,10 @@
 //! parameters), never widened into an f16 copy.
 //!
 //! Implementations: `scalar` (the reference, straight from the definition, every format), `avx2`
-//! (AVX2 + FMA + F16C), `avx512` (AVX-512F/BW/VL; `avx512_quant` for the quantized formats) and
-//! `neon`, chosen once per process by [`Isa::detect`] or forced with [`DecodeAttention::with_isa`].
+//! (AVX2 + FMA + F16C), `avx512` (AVX-512F/BW/VL; `avx512_quant` for the quantized formats),
+//! `avx512vnni` (the same plus DQ, VNNI and VBMI: `avx512_vnni` computes the key scores of
+//! quantized pages with 16-bit integer dot products) and `neon`, chosen once per process by
+//! [`Isa::detect`] or forced with [`DecodeAttention::with_isa`].
 //! A kernel without a path for a page's format hands that page to the scalar kernel. [`reference`](mod@reference) is a dense `f64` reference that knows nothing
 //! of pages, the ground truth for tests.
 
@@ -41,6 +43,8 @@ mod avx512;
 pub(crate) mod avx512_quant;
 #[cfg(target_arch = "x86_64")]
 mod avx512_select;
+#[cfg(target_arch = "x86_64")]
+mod avx512_vnni;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 #[cfg(target_arch = "x86_64")]

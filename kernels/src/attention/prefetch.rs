@@ -40,6 +40,22 @@ impl Prefetch {
         Prefetch { base: self.base.wrapping_add(bytes), ..self }
     }
 
+    /// Prefetches the line holding byte `offset` of the target, with no check for a missing one:
+    /// for hot loops whose caller always names a target (a prefetch near address 0 would be
+    /// harmless too, but may cost a page walk).
+    #[inline(always)]
+    pub fn line(self, offset: usize) {
+        let at = self.base.wrapping_add(offset);
+        // SAFETY: as in `span`: a prefetch needs only SSE and never faults.
+        unsafe {
+            if self.into_l1 {
+                _mm_prefetch::<_MM_HINT_T0>(at.cast());
+            } else {
+                _mm_prefetch::<_MM_HINT_T1>(at.cast());
+            }
+        }
+    }
+
     /// Prefetches the lines holding bytes `offset`, `offset + 64`, ... below `offset + len` of the
     /// target. Callers prefetch spans back to back over a contiguous region, so a span that straddles
     /// a line boundary has its last line covered by the next span.

@@ -119,7 +119,7 @@ fn check_query(shape: AttnShape, q: &[f32]) -> Result<(), KernelError> {
 /// best kernel of this CPU.
 pub(crate) fn bounds(shape: AttnShape, query: &BoundQuery, page: PageView<'_>, page_bytes: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if Isa::detect() == Isa::Avx512 {
+    if Isa::detect().is_avx512() {
         let coefficients = query.coefficients(page.format);
         assert!(coefficients.len() == 2 * shape.q_heads * shape.head_dim && out.len() == shape.q_heads);
         assert!(page.bytes.len() >= page_bytes);
@@ -209,7 +209,7 @@ pub fn select_pages(
 /// does; a NaN or `+∞` bound ranks `+∞`. With the best kernel of this CPU.
 pub(crate) fn rank_pages(bound: &[f32], heads: usize, scale: f32) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
-    if Isa::detect() == Isa::Avx512 {
+    if Isa::detect().is_avx512() {
         assert!(bound.len().is_multiple_of(heads));
         // SAFETY: `Isa::detect` only returns available kernels; the length was just asserted.
         return unsafe { super::avx512_select::rank_pages(bound, heads, scale) };

@@ -24,6 +24,8 @@
 //! | 7 | [`Format::K8V4`] | 8-bit codes | 4-bit codes | [`k8v4`] |
 
 pub mod bounds;
+#[cfg(target_arch = "x86_64")]
+mod dequant_vbmi;
 pub mod header;
 pub mod k8v4;
 pub mod layout;

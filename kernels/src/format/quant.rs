@@ -292,7 +292,7 @@ pub fn quantize_with(
     let dst = &mut dst[..shape.page_bytes(to)];
     dst.fill(0);
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && shape.block_tokens.is_multiple_of(16) {
+    if isa.is_avx512() && shape.block_tokens.is_multiple_of(16) {
         // SAFETY: `isa` passed `is_available`, so avx512f/bw/vl, avx2, fma and f16c were detected;
         // `check_quantize` checked both pages' lengths, the token count and (through the layout)
         // head_dim; block_tokens is a multiple of 16 and `dst` was just zeroed.
@@ -469,7 +469,16 @@ pub fn dequantize_with(
         });
     }
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && format.is_quantized() && shape.block_tokens.is_multiple_of(16) {
+    if isa == Isa::Avx512Vnni && format.is_quantized() && shape.block_tokens.is_multiple_of(16) {
+        let layout = QuantLayout::new(shape, format)?;
+        // SAFETY: `isa` passed `is_available`, so avx512f/bw/vl/vbmi, avx2, fma and f16c were
+        // detected; the header check fixed the page's length for `layout`, the output lengths and
+        // the token count were checked above, and block_tokens is a multiple of 16.
+        unsafe { super::dequant_vbmi::dequantize(&layout, page, tokens, k_out, v_out) };
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_avx512() && format.is_quantized() && shape.block_tokens.is_multiple_of(16) {
         let layout = QuantLayout::new(shape, format)?;
         // SAFETY: `isa` passed `is_available`, so avx512f/bw/vl, avx2, fma and f16c were detected;
         // the header check fixed the page's length for `layout`, the output lengths and the token

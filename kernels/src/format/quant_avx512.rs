@@ -18,6 +18,9 @@
 //! group's broadcast scale and min, which equals the scalar `min + scale × code` since the product
 //! is exact); keys 16 channels × 16 tokens at a time, transposed in registers into token-major rows.
 //!
+//! Where VBMI is available ([`crate::Isa::Avx512Vnni`]), `dequant_vbmi.rs` dequantizes instead,
+//! transposing key codes as bytes.
+//!
 //! Both need `block_tokens` a multiple of 16 (the dispatcher in `quant.rs` checks). Memory safety
 //! rests on the lengths checked by the callers in `quant.rs`: every pointer below is derived from a
 //! page slice at an offset the [`QuantLayout`] or [`PageShape`] computes, inside the region the
