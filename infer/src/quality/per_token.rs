@@ -3,9 +3,9 @@
 //! kvmm's quantized pages group keys per channel along a page's tokens (KIVI) and values per token
 //! in groups of 32 channels. The usual alternative for keys is the value layout: per token, groups
 //! of [`GROUP`] = 32 channels. That layout is not a page format, so it is simulated here: each group
-//! is quantized and reconstructed in `f32` with exactly the pages' rounding rule (ggml q4_1 style,
-//! `kvmm_kernels::format::quant`): for a group with smallest value `m` and largest `M` and
-//! `L = 2^bits − 1`,
+//! is quantized and reconstructed in `f32` by the pages' own rounding rule
+//! (`kvmm_kernels::format::quant::round_trip_group`, ggml q4_1 style): for a group with smallest
+//! value `m` and largest `M` and `L = 2^bits − 1`,
 //!
 //! ```text
 //!   min   = m rounded to f16 toward −∞
@@ -19,68 +19,19 @@
 //! Applied to value rows this reproduces the values of a kvmm q4 page bit for bit (a unit test
 //! checks it), so the only difference between the baseline and q4 is the key grouping.
 
-use half::f16;
+use kvmm_kernels::format::quant::round_trip_group;
 
 /// Channels per group.
 pub const GROUP: usize = 32;
-
-/// `x` rounded to f16 toward −∞ (`x` finite and within ±65504).
-fn f16_down(x: f32) -> f16 {
-    let r = f16::from_f32(x);
-    if r.to_f32() <= x {
-        return r;
-    }
-    let bits = r.to_bits();
-    // One step toward −∞: down in magnitude for positives, up in magnitude for negatives and −0.
-    if bits & 0x8000 == 0 {
-        if bits == 0 { f16::from_bits(0x8001) } else { f16::from_bits(bits - 1) }
-    } else {
-        f16::from_bits(bits + 1)
-    }
-}
-
-/// `(scale, min)` of a group with smallest value `lo` and largest `hi` at `levels = 2^bits − 1`.
-fn group_params(lo: f32, hi: f32, levels: u32) -> (f16, f16) {
-    // + 0.0 turns −0.0 into +0.0, as the kernels do.
-    let (lo, hi) = (lo + 0.0, hi + 0.0);
-    let min = f16_down(lo);
-    let (m, top, n) = (f64::from(min.to_f32()), f64::from(hi), f64::from(levels));
-    // Exact in f64: min and scale·n are multiples of 2^-24 below 2^17, and hi is an f32.
-    let covers = |s: f16| m + f64::from(s.to_f32()) * n >= top;
-    let mut scale = f16::from_f64(((top - m) / n).max(0.0));
-    if covers(scale) {
-        while scale.to_bits() > 0 {
-            let below = f16::from_bits(scale.to_bits() - 1);
-            if !covers(below) {
-                break;
-            }
-            scale = below;
-        }
-    } else {
-        while !covers(scale) && scale.to_bits() < 0x7bff {
-            scale = f16::from_bits(scale.to_bits() + 1);
-        }
-    }
-    (scale, min)
-}
 
 /// Quantizes and reconstructs, in place, every row of `width` channels in `rows` (a multiple of
 /// `width` long) per token, in groups of [`GROUP`] channels at `bits` bits (1..=8). Values must be
 /// finite and within ±65504, as f16 parameters require; rows written through an f16 page are.
 pub fn quantize_rows(rows: &mut [f32], width: usize, bits: u32) {
     debug_assert!((1..=8).contains(&bits) && width > 0 && rows.len().is_multiple_of(width));
-    let levels = (1u32 << bits) - 1;
     for row in rows.chunks_exact_mut(width) {
         for group in row.chunks_mut(GROUP) {
-            let lo = group.iter().copied().fold(f32::INFINITY, f32::min);
-            let hi = group.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let (scale, min) = group_params(lo, hi, levels);
-            let (scale, min) = (scale.to_f32(), min.to_f32());
-            let inv = if scale == 0.0 { 0.0 } else { 1.0 / scale };
-            for x in group.iter_mut() {
-                let code = ((*x - min) * inv + 0.5).floor().min(levels as f32).max(0.0);
-                *x = min + scale * code;
-            }
+            round_trip_group(group, bits);
         }
     }
 }

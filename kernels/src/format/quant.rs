@@ -202,6 +202,25 @@ pub(crate) fn group_params(lo: f32, hi: f32, levels: u32) -> GroupParams {
     GroupParams { scale, min, inv }
 }
 
+/// Quantizes one group of values in place with the rounding rule of the module documentation at
+/// `bits` bits (1..=8) and replaces each value by its reconstruction `min + scale × code`: exactly
+/// what a page of this family would hold for the group. For simulating other groupings (e.g.
+/// per-token keys) with the same rule. Values must be finite and within ±65504.
+pub fn round_trip_group(values: &mut [f32], bits: u32) {
+    debug_assert!((1..=8).contains(&bits));
+    if values.is_empty() {
+        return;
+    }
+    let levels = (1u32 << bits) - 1;
+    let lo = values.iter().copied().fold(f32::INFINITY, f32::min);
+    let hi = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let p = group_params(lo, hi, levels);
+    let (scale, min) = (p.scale.to_f32(), p.min.to_f32());
+    for x in values.iter_mut() {
+        *x = min + scale * f32::from(encode(*x, &p, levels));
+    }
+}
+
 /// The code of `x` in a group with parameters `p` (see the module documentation).
 #[inline]
 pub(crate) fn encode(x: f32, p: &GroupParams, levels: u32) -> u8 {
