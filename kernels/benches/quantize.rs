@@ -1,6 +1,7 @@
-//! Quantize (f16 → q8, k8v4, q4, q2) and dequantize (→ f32 rows), one thread, every available
-//! kernel, in elements per second (an element is one K or V value; a full page of block_tokens 32
-//! holds 2 × kv_heads × head_dim × 32).
+//! Quantize (f16 → q8, k8v4, q4, q2) and dequantize (→ f32 rows, and → an f16 page with
+//! `dequantize_page`, the path `requantize` takes), one thread, every available kernel, in elements
+//! per second (an element is one K or V value; a full page of block_tokens 32 holds 2 × kv_heads ×
+//! head_dim × 32); then `requantize` q8 → q4 per page against the f32-rows path it replaced.
 //!
 //! Pages: 64 full f16 pages of random rows per shape (SmolLM2 3 × 64, Llama-3-8B 8 × 128), quantized
 //! one after another into one reused destination page (dequantized into reused rows), so the numbers
@@ -12,7 +13,10 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use kvmm_kernels::{Format, Isa, PageShape, dequantize_with, init_page, quantize_with, write_rows};
+use kvmm_kernels::{
+    Format, Isa, PageShape, dequantize, dequantize_page_with, dequantize_with, init_page, quantize, quantize_with,
+    requantize, write_rows,
+};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -38,8 +42,8 @@ fn main() {
     }
     println!("single thread, block_tokens {BLOCK_TOKENS}, {PAGES} pages cycled; G = 1e9 elements");
     println!(
-        "{:<12} {:<12} {:>8} {:>18} {:>20}",
-        "shape", "format", "kernel", "quantize Gelem/s", "dequantize Gelem/s"
+        "{:<12} {:<12} {:>10} {:>17} {:>22} {:>24}",
+        "shape", "format", "kernel", "quantize Gelem/s", "dequantize→f32 Gelem/s", "dequantize→page Gelem/s"
     );
     for (name, kv_heads, head_dim) in [("smollm2", 3, 64), ("llama3-8b", 8, 128)] {
         let shape = PageShape { kv_heads, head_dim, block_tokens: BLOCK_TOKENS };
@@ -62,6 +66,7 @@ fn main() {
             }
             let mut dst = vec![0u8; bytes];
             let (mut k, mut v) = (vec![0.0f32; row], vec![0.0f32; row]);
+            let mut back = vec![0u8; f16_bytes];
             // `KVMM_BENCH_ISA=avx512` (say) measures one kernel only, e.g. for profiling.
             let only = std::env::var("KVMM_BENCH_ISA").ok();
             for isa in Isa::available().into_iter().filter(|isa| only.as_deref().is_none_or(|o| o == isa.name())) {
@@ -80,15 +85,61 @@ fn main() {
                         black_box((&k, &v));
                     }
                 });
+                let to_page = best_seconds(runs, || {
+                    for page in quantized.chunks_exact(bytes) {
+                        dequantize_page_with(isa, shape, format, black_box(page), BLOCK_TOKENS, Format::F16, &mut back)
+                            .expect("valid page");
+                        black_box(&back);
+                    }
+                });
                 println!(
-                    "{:<12} {:<12} {:>8} {:>18.2} {:>20.2}",
+                    "{:<12} {:<12} {:>10} {:>17.2} {:>22.2} {:>24.2}",
                     name,
                     format!("f16 → {format}"),
                     isa.name(),
                     elements / quantize / 1e9,
-                    elements / dequantize / 1e9
+                    elements / dequantize / 1e9,
+                    elements / to_page / 1e9
                 );
             }
         }
+        requantize_table(name, shape, &sources);
     }
+}
+
+/// `requantize` q8 → q4 (the daemon's second compression step) against the path it replaced:
+/// dequantize to `f32` rows, write them into an f16 page, quantize that. Same pages, same run.
+fn requantize_table(name: &str, shape: PageShape, sources: &[u8]) {
+    let f16_bytes = shape.page_bytes(Format::F16);
+    let (q8_bytes, q4_bytes) = (shape.page_bytes(Format::Q8), shape.page_bytes(Format::Q4));
+    let mut q8 = vec![0u8; PAGES * q8_bytes];
+    for (src, dst) in sources.chunks_exact(f16_bytes).zip(q8.chunks_exact_mut(q8_bytes)) {
+        quantize(shape, Format::F16, src, BLOCK_TOKENS, Format::Q8, dst).expect("quantizable");
+    }
+    let row = BLOCK_TOKENS * shape.kv_heads * shape.head_dim;
+    let (mut k, mut v) = (vec![0.0f32; row], vec![0.0f32; row]);
+    let (mut via, mut dst) = (vec![0u8; f16_bytes], vec![0u8; q4_bytes]);
+    let rows_path = best_seconds(10, || {
+        for page in q8.chunks_exact(q8_bytes) {
+            dequantize(shape, Format::Q8, black_box(page), BLOCK_TOKENS, &mut k, &mut v).expect("valid page");
+            via.fill(0);
+            init_page(shape, Format::F16, &mut via).expect("valid shape");
+            write_rows(shape, Format::F16, &mut via, 0, &k, &v).expect("rows fit");
+            quantize(shape, Format::F16, &via, BLOCK_TOKENS, Format::Q4, &mut dst).expect("quantizable");
+            black_box(&dst);
+        }
+    });
+    let page_path = best_seconds(10, || {
+        for page in q8.chunks_exact(q8_bytes) {
+            requantize(shape, Format::F16, Format::Q8, black_box(page), BLOCK_TOKENS, Format::Q4, &mut dst)
+                .expect("valid page");
+            black_box(&dst);
+        }
+    });
+    println!(
+        "{name:<12} requantize q8 → q4: {:.1} µs per page through f32 rows, {:.1} µs through dequantize_page ({:.1}×)",
+        rows_path / PAGES as f64 * 1e6,
+        page_path / PAGES as f64 * 1e6,
+        rows_path / page_path
+    );
 }

@@ -6,8 +6,8 @@ mod common;
 use common::{Fill, make_page};
 use half::{bf16, f16};
 use kvmm_kernels::{
-    AttnShape, Format, Isa, KernelErrorKind, PageHeader, PageShape, QuantLayout, dequantize, dequantize_with,
-    init_page, key_bounds, quantize, quantize_with, read_rows, write_rows,
+    AttnShape, Format, Isa, KernelErrorKind, PageHeader, PageShape, QuantLayout, dequantize, dequantize_page,
+    dequantize_page_with, dequantize_with, init_page, key_bounds, quantize, quantize_with, read_rows, write_rows,
 };
 use proptest::prelude::*;
 use rand::rngs::StdRng;
@@ -302,4 +302,71 @@ fn a_q8_page_requantizes_to_q4_through_its_decoded_values() {
     let mut back = vec![0u8; shape.page_bytes(Format::Q8)];
     assert!(requantize(shape, Format::F16, Format::Q4, &q4, 32, Format::Q8, &mut back).is_err(), "never up");
     assert!(requantize(shape, Format::F16, Format::Q8, &q8, 32, Format::Q8, &mut back).is_err(), "never sideways");
+}
+
+/// What [`dequantize_page`] must write: the decoded rows written into a zeroed, initialized 16-bit
+/// page.
+fn reference_page(shape: PageShape, from: Format, src: &[u8], tokens: usize, to: Format) -> Vec<u8> {
+    let n = tokens * shape.kv_heads * shape.head_dim;
+    let (mut k, mut v) = (vec![0.0; n], vec![0.0; n]);
+    dequantize_with(Isa::Scalar, shape, from, src, tokens, &mut k, &mut v).expect("a valid quantized page");
+    let mut page = vec![0u8; shape.page_bytes(to)];
+    init_page(shape, to, &mut page).expect("a valid shape");
+    write_rows(shape, to, &mut page, 0, &k, &v).expect("rows that fit the page");
+    page
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// Every kernel's page-to-page dequantize writes exactly the reference page, whatever the
+    /// destination held before (it is filled with 0xa5 first), for any prefix of the encoded tokens.
+    #[test]
+    fn dequantize_page_writes_the_decoded_rows_as_a_16_bit_page(
+        (shape, tokens) in quantized_shapes(),
+        format in proptest::sample::select(Format::QUANTIZED.to_vec()),
+        to_bf16 in any::<bool>(),
+        fewer in 0usize..=3,
+        seed in any::<u64>(),
+    ) {
+        let to = if to_bf16 { Format::Bf16 } else { Format::F16 };
+        let (k, v) = spread_rows(shape, tokens, seed);
+        let mut f16_page = vec![0u8; shape.page_bytes(Format::F16)];
+        init_page(shape, Format::F16, &mut f16_page).unwrap();
+        write_rows(shape, Format::F16, &mut f16_page, 0, &k, &v).unwrap();
+        let mut src = vec![0u8; shape.page_bytes(format)];
+        quantize(shape, Format::F16, &f16_page, tokens, format, &mut src).unwrap();
+        let read = tokens.saturating_sub(fewer);
+        let want = reference_page(shape, format, &src, read, to);
+        for isa in Isa::available() {
+            let mut dst = vec![0xa5u8; shape.page_bytes(to) + 7];
+            dequantize_page_with(isa, shape, format, &src, read, to, &mut dst).unwrap();
+            prop_assert!(dst[..want.len()] == want[..], "{isa}: {format} → {to}, {read} of {tokens} tokens, {shape:?}");
+            prop_assert!(dst[want.len()..].iter().all(|&b| b == 0xa5), "{isa}: wrote past the page");
+        }
+    }
+}
+
+#[test]
+fn dequantize_page_refuses_what_it_cannot_do() {
+    let shape = PageShape { kv_heads: 1, head_dim: 16, block_tokens: 16 };
+    let (k, v) = spread_rows(shape, 5, 1);
+    let mut rng = StdRng::seed_from_u64(1);
+    let q8 = make_page(shape, Format::Q8, &k, &v, &mut rng, Fill::Zero);
+    let f16_page = make_page(shape, Format::F16, &k, &v, &mut rng, Fill::Zero);
+    let mut dst = vec![0u8; shape.page_bytes(Format::F16)];
+    let kind = |r: Result<(), kvmm_kernels::KernelError>| r.unwrap_err().kind();
+    // A 16-bit source, a quantized destination, more tokens than encoded, a short destination, a
+    // source whose header names another format.
+    assert_eq!(
+        kind(dequantize_page(shape, Format::F16, &f16_page, 5, Format::F16, &mut dst)),
+        KernelErrorKind::Unsupported
+    );
+    let mut q4 = vec![0u8; shape.page_bytes(Format::Q4)];
+    assert!(dequantize_page(shape, Format::Q8, &q8, 5, Format::Q4, &mut q4).is_err());
+    assert!(dequantize_page(shape, Format::Q8, &q8, 6, Format::F16, &mut dst).is_err());
+    let mut short = vec![0u8; shape.page_bytes(Format::F16) - 1];
+    assert!(dequantize_page(shape, Format::Q8, &q8, 5, Format::F16, &mut short).is_err());
+    assert!(dequantize_page(shape, Format::Q4, &q8, 5, Format::F16, &mut dst).is_err());
+    dequantize_page(shape, Format::Q8, &q8, 5, Format::F16, &mut dst).unwrap();
 }

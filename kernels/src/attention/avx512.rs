@@ -269,6 +269,69 @@ unsafe fn score_tile<const G: usize, const NV: usize, const BF16: bool>(
     }
 }
 
+/// [`reduce_lanes`] operation: the sum of the lanes.
+pub(crate) const SUM: u8 = 0;
+/// [`reduce_lanes`] operation: the largest lane (NaN-free inputs).
+pub(crate) const MAX: u8 = 1;
+/// [`reduce_lanes`] operation: the smallest lane (NaN-free inputs).
+pub(crate) const MIN: u8 = 2;
+
+/// `x OP y` lane by lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn combine<const OP: u8>(x: __m512, y: __m512) -> __m512 {
+    match OP {
+        MAX => _mm512_max_ps(x, y),
+        MIN => _mm512_min_ps(x, y),
+        _ => _mm512_add_ps(x, y),
+    }
+}
+
+/// Lane `i < 4` of the result is the sum (`SUM`), the largest (`MAX`) or the smallest (`MIN`) of the 16 lanes of `v[i]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn reduce4<const OP: u8>(v: &[__m512]) -> __m512 {
+    let op = combine::<OP>;
+    let a0 = op(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+    let a1 = op(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+    let (x, y) = (_mm512_castps_pd(a0), _mm512_castps_pd(a1));
+    // Per 128-bit lane: partial results of v0 .. v3, in order.
+    let b = op(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    let c = op(b, _mm512_shuffle_f32x4::<0b01_00_11_10>(b, b));
+    op(c, _mm512_shuffle_f32x4::<0b10_11_00_01>(c, c))
+}
+
+/// Lane `i < 8` of the result is the sum (`SUM`), the largest (`MAX`) or the smallest (`MIN`) of the 16 lanes of `v[i]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn reduce8<const OP: u8>(v: &[__m512]) -> __m512 {
+    let op = combine::<OP>;
+    let mut a = [_mm512_setzero_ps(); 4];
+    for (i, a) in a.iter_mut().enumerate() {
+        let (x, y) = (v[2 * i], v[2 * i + 1]);
+        *a = op(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+    }
+    // b[i], per 128-bit lane: partial results of v4i .. v4i+3, in order.
+    let mut b = [_mm512_setzero_ps(); 2];
+    for (i, b) in b.iter_mut().enumerate() {
+        let (x, y) = (_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
+        *b = op(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    // 128-bit lanes: b0 lanes 0 + 1, b0 lanes 2 + 3, b1 lanes 0 + 1, b1 lanes 2 + 3.
+    let c = op(_mm512_shuffle_f32x4::<0b10_00_10_00>(b[0], b[1]), _mm512_shuffle_f32x4::<0b11_01_11_01>(b[0], b[1]));
+    op(_mm512_shuffle_f32x4::<0b00_00_10_00>(c, c), _mm512_shuffle_f32x4::<0b00_00_11_01>(c, c))
+}
+
+/// Lane `i < n` of the result is the sum (`SUM`), the largest (`MAX`) or the smallest (`MIN`) of the 16 lanes of `v[i]`,
+/// `n ≤ 8`: a transposing reduction tree (13 or 24 shuffles and operations for up to 4 or 8
+/// reductions instead of 8 each, and a short dependency chain). The vectors from `n` on are read;
+/// only the lanes below `n` are meaningful.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+pub(crate) fn reduce_lanes<const OP: u8>(v: &[__m512; MAX_TILE_HEADS], n: usize) -> __m512 {
+    if n <= 4 { reduce4::<OP>(v) } else { reduce8::<OP>(v) }
+}
+
 /// The per-head values of one softmax step, for a tile of up to 8 heads.
 #[derive(Default)]
 pub(super) struct SoftmaxStep {
@@ -416,5 +479,44 @@ unsafe fn accumulate<const G: usize, const WC: usize, const BF16: bool>(
             // SAFETY: as for the loads above.
             unsafe { _mm512_storeu_ps(acc.add(g * dim + LANES * w), *s) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::Isa;
+
+    #[test]
+    fn transposing_reductions_give_each_vector_its_lane() {
+        if !Isa::Avx512.is_available() {
+            return;
+        }
+        let rows: Vec<[f32; 16]> =
+            (0..8).map(|i| std::array::from_fn(|j| ((i * 37 + j * 11) % 23) as f32 - 7.0)).collect();
+        for n in [1, 3, 4, 5, 8] {
+            // SAFETY: the features were detected just above; the rows are 16 floats each.
+            let (sums, maxima) = unsafe { check(&rows, n) };
+            for (i, r) in rows.iter().enumerate().take(n) {
+                assert_eq!(sums[i], r.iter().sum::<f32>(), "sum {i} of {n}");
+                assert_eq!(maxima[i], r.iter().copied().fold(f32::MIN, f32::max), "max {i} of {n}");
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn check(rows: &[[f32; 16]], n: usize) -> ([f32; 16], [f32; 16]) {
+        let mut v = [_mm512_setzero_ps(); MAX_TILE_HEADS];
+        for (v, r) in v.iter_mut().zip(rows) {
+            // SAFETY: 16 floats.
+            *v = unsafe { _mm512_loadu_ps(r.as_ptr()) };
+        }
+        let (mut sums, mut maxima) = ([0.0f32; 16], [0.0f32; 16]);
+        // SAFETY: 16 floats each.
+        unsafe {
+            _mm512_storeu_ps(sums.as_mut_ptr(), reduce_lanes::<SUM>(&v, n));
+            _mm512_storeu_ps(maxima.as_mut_ptr(), reduce_lanes::<MAX>(&v, n));
+        }
+        (sums, maxima)
     }
 }

@@ -62,7 +62,7 @@ use std::mem::MaybeUninit;
 use crate::format::Format;
 use crate::format::quant::V_GROUP;
 
-use super::avx512::{LANES, MAX_TILE_HEADS, SoftmaxStep, softmax, with_heads};
+use super::avx512::{LANES, MAX, MAX_TILE_HEADS, SUM, SoftmaxStep, reduce_lanes, softmax, with_heads};
 use super::avx512_quant::{HeadBytes, ValueTile, accumulate, scale_query, score_tile as score_tile_f32, weigh_tokens};
 use super::kernel::{PageJob, Running};
 use super::prefetch::Prefetch;
@@ -313,51 +313,6 @@ unsafe fn page_in<const KB: usize, const VB: usize>(job: &PageJob<'_>, run: &mut
     }
 }
 
-/// Lane `i < 4` of the result is the sum (or, with `MAX`, the largest) of the 16 lanes of `v[i]`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
-fn reduce4<const MAX: bool>(v: &[__m512]) -> __m512 {
-    let op = |x: __m512, y: __m512| if MAX { _mm512_max_ps(x, y) } else { _mm512_add_ps(x, y) };
-    let a0 = op(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
-    let a1 = op(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
-    let (x, y) = (_mm512_castps_pd(a0), _mm512_castps_pd(a1));
-    // Per 128-bit lane: partial results of v0 .. v3, in order.
-    let b = op(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    let c = op(b, _mm512_shuffle_f32x4::<0b01_00_11_10>(b, b));
-    op(c, _mm512_shuffle_f32x4::<0b10_11_00_01>(c, c))
-}
-
-/// Lane `i < 8` of the result is the sum (or, with `MAX`, the largest) of the 16 lanes of `v[i]`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
-fn reduce8<const MAX: bool>(v: &[__m512]) -> __m512 {
-    let op = |x: __m512, y: __m512| if MAX { _mm512_max_ps(x, y) } else { _mm512_add_ps(x, y) };
-    let mut a = [_mm512_setzero_ps(); 4];
-    for (i, a) in a.iter_mut().enumerate() {
-        let (x, y) = (v[2 * i], v[2 * i + 1]);
-        *a = op(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-    }
-    // b[i], per 128-bit lane: partial results of v4i .. v4i+3, in order.
-    let mut b = [_mm512_setzero_ps(); 2];
-    for (i, b) in b.iter_mut().enumerate() {
-        let (x, y) = (_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]));
-        *b = op(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    // 128-bit lanes: b0 lanes 0 + 1, b0 lanes 2 + 3, b1 lanes 0 + 1, b1 lanes 2 + 3.
-    let c = op(_mm512_shuffle_f32x4::<0b10_00_10_00>(b[0], b[1]), _mm512_shuffle_f32x4::<0b11_01_11_01>(b[0], b[1]));
-    op(_mm512_shuffle_f32x4::<0b00_00_10_00>(c, c), _mm512_shuffle_f32x4::<0b00_00_11_01>(c, c))
-}
-
-/// Lane `i < n` of the result is the sum (or, with `MAX`, the largest) of the 16 lanes of `v[i]`,
-/// `n ≤ 8`: a transposing reduction tree (13 or 24 shuffles and operations for up to 4 or 8
-/// reductions instead of 8 each, and a short dependency chain). The vectors from `n` on are read;
-/// only the lanes below `n` are meaningful.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
-fn reduce_lanes<const MAX: bool>(v: &[__m512; MAX_TILE_HEADS], n: usize) -> __m512 {
-    if n <= 4 { reduce4::<MAX>(v) } else { reduce8::<MAX>(v) }
-}
-
 /// `vpermw` indices that gather the low halves of 16 dwords into words 0..16 and the high halves
 /// into words 16..32.
 const SPLIT_PAIRS: [u16; 32] = {
@@ -452,7 +407,7 @@ unsafe fn quantize_tile<const G: usize, const KB: usize>(
             }
         }
     }
-    let tops = reduce_lanes::<true>(&peaks, G);
+    let tops = reduce_lanes::<MAX>(&peaks, G);
     let step = _mm512_mul_ps(tops, _mm512_set1_ps(1.0 / Q_MAX));
     // σ = s × sqrt(D) × (2^kb − 1) / 12 (a residual's deviation, 1/√12 of a step, times a code's,
     // 1/√12 of its range, summed over D channels); NaN (a corrupt page) compares false.
@@ -489,7 +444,7 @@ unsafe fn quantize_tile<const G: usize, const KB: usize>(
     }
     // SAFETY: 8-float stores, the lengths of both arrays (lanes from `G` on are unused).
     unsafe {
-        _mm256_storeu_ps(offsets.as_mut_ptr(), _mm512_castps512_ps256(reduce_lanes::<false>(&residuals, G)));
+        _mm256_storeu_ps(offsets.as_mut_ptr(), _mm512_castps512_ps256(reduce_lanes::<SUM>(&residuals, G)));
         _mm256_storeu_ps(steps.as_mut_ptr(), _mm512_castps512_ps256(step));
     }
     true
@@ -750,40 +705,6 @@ fn tokens_in_order<const NV: usize, const KB: usize>(acc: &[__m512i; 4]) -> [__m
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::attention::Isa;
-
-    #[test]
-    fn transposing_reductions_give_each_vector_its_lane() {
-        if !Isa::Avx512Vnni.is_available() {
-            return;
-        }
-        let rows: Vec<[f32; 16]> =
-            (0..8).map(|i| std::array::from_fn(|j| ((i * 37 + j * 11) % 23) as f32 - 7.0)).collect();
-        for n in [1, 3, 4, 5, 8] {
-            // SAFETY: the features were detected just above; the rows are 16 floats each.
-            let (sums, maxima) = unsafe { check(&rows, n) };
-            for (i, r) in rows.iter().enumerate().take(n) {
-                assert_eq!(sums[i], r.iter().sum::<f32>(), "sum {i} of {n}");
-                assert_eq!(maxima[i], r.iter().copied().fold(f32::MIN, f32::max), "max {i} of {n}");
-            }
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")]
-    unsafe fn check(rows: &[[f32; 16]], n: usize) -> ([f32; 16], [f32; 16]) {
-        let mut v = [_mm512_setzero_ps(); MAX_TILE_HEADS];
-        for (v, r) in v.iter_mut().zip(rows) {
-            // SAFETY: 16 floats.
-            *v = unsafe { _mm512_loadu_ps(r.as_ptr()) };
-        }
-        let (mut sums, mut maxima) = ([0.0f32; 16], [0.0f32; 16]);
-        // SAFETY: 16 floats each.
-        unsafe {
-            _mm512_storeu_ps(sums.as_mut_ptr(), reduce_lanes::<false>(&v, n));
-            _mm512_storeu_ps(maxima.as_mut_ptr(), reduce_lanes::<true>(&v, n));
-        }
-        (sums, maxima)
-    }
 
     #[test]
     fn key_indices_pair_two_channel_rows_per_dword() {

@@ -38,7 +38,7 @@ pub mod select;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
-mod avx512;
+pub(crate) mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512_quant;
 #[cfg(target_arch = "x86_64")]

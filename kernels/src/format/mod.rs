@@ -6,7 +6,8 @@
 //! how many there are and where each one lives ([`layout`] for the 16-bit formats, [`quant`] for the
 //! quantized ones, with one file per quantized format: [`q8`], [`q4`], [`q2`], [`k8v4`]). [`rows`]
 //! writes and reads token rows of 16-bit pages, [`bounds`] gives every page's per-channel key bounds,
-//! and [`quant`] converts 16-bit pages into quantized ones and back to `f32`.
+//! and [`quant`] converts 16-bit pages into quantized ones and back to `f32`; [`to_page`] turns a
+//! quantized page back into a 16-bit page directly.
 //!
 //! Format codes are an ABI: they are stored in the shared session table (`format_tier & 0xff`) and
 //! in every page header, and read by clients built from other versions of this crate. A code, once
@@ -37,6 +38,7 @@ pub mod quant;
 mod quant_avx512;
 pub(crate) mod read;
 pub mod rows;
+pub mod to_page;
 
 use std::fmt;
 

@@ -447,12 +447,8 @@ pub fn requantize(
     if via.is_quantized() || !to.is_quantized() || to.k_bits() + to.v_bits() >= from.k_bits() + from.v_bits() {
         return Err(KernelError::QuantizePair { from, to });
     }
-    let n = tokens * shape.kv_heads * shape.head_dim;
-    let (mut k, mut v) = (vec![0f32; n], vec![0f32; n]);
-    dequantize(shape, from, src, tokens, &mut k, &mut v)?;
     let mut page = vec![0u8; shape.page_bytes(via)];
-    crate::format::header::init_page(shape, via, &mut page)?;
-    crate::format::rows::write_rows(shape, via, &mut page, 0, &k, &v)?;
+    crate::format::to_page::dequantize_page(shape, from, src, tokens, via, &mut page)?;
     quantize(shape, via, &page, tokens, to, dst)
 }
 

@@ -1,0 +1,224 @@
+//! Dequantizing a quantized page straight into a 16-bit page of the same shape.
+//!
+//! [`dequantize_page`] writes what [`init_page`] followed by [`write_rows`] of the page's decoded rows
+//! would leave in a zeroed buffer: the header of an empty 16-bit page, each element `min + scale ×
+//! code` rounded to nearest-even in the element type, the key bounds of the filled slots, zeros in
+//! the unfilled slots and in the padding. Both layouts keep keys channel-major and values
+//! token-major, so a key channel is one row in and one row out, with no transpose and no `f32` rows
+//! in between: this is the path [`super::quant::requantize`] takes (q8 → 16-bit → q4).
+//!
+//! The AVX-512 path (f16 output, `block_tokens` a multiple of 16): per key channel, 16 codes at a
+//! time are widened, turned into `min + scale × code` with one FMA (the product is exact, so this is
+//! the scalar rounding), rounded to f16 by `vcvtps2ph` and stored; the channel's bounds are the
+//! rounded smallest and largest filled value (rounding is monotonic, so this is the smallest and
+//! largest stored element; NaN is skipped, as [`write_rows`] skips it), eight channels' bounds
+//! reduced at once by a transposing reduction. Values: per token and group
+//! of 32 channels, the pair is broadcast and the same FMA and rounding run over the token's codes.
+//! Other outputs (bf16) and shapes take the reference path, which is the definition.
+//!
+//! Memory safety of the AVX-512 path rests on the checks of [`dequantize_page_with`]: the source
+//! header fixed its format and shape (so every offset [`crate::QuantLayout`] computes lies inside it), and
+//! the destination holds at least `page_bytes(to)`.
+//!
+//! [`init_page`]: super::header::init_page
+//! [`write_rows`]: super::rows::write_rows
+
+use crate::attention::Isa;
+use crate::error::KernelError;
+use crate::format::header::{PageHeader, init_page};
+use crate::format::quant::dequantize_with;
+use crate::format::rows::write_rows;
+use crate::format::{Format, PageShape};
+
+/// Dequantizes the first `tokens` slots of the quantized page `src` (format `from`) into `dst` as a
+/// 16-bit page of format `to` (f16 or bf16) and the same shape. `dst` must hold at least
+/// `shape.page_bytes(to)` bytes; only those are written. See the [module](self) documentation.
+pub fn dequantize_page(
+    shape: PageShape,
+    from: Format,
+    src: &[u8],
+    tokens: usize,
+    to: Format,
+    dst: &mut [u8],
+) -> Result<(), KernelError> {
+    dequantize_page_with(Isa::detect(), shape, from, src, tokens, to, dst)
+}
+
+/// [`dequantize_page`] with a chosen kernel (for tests and benchmarks); every kernel gives the same
+/// bytes.
+pub fn dequantize_page_with(
+    isa: Isa,
+    shape: PageShape,
+    from: Format,
+    src: &[u8],
+    tokens: usize,
+    to: Format,
+    dst: &mut [u8],
+) -> Result<(), KernelError> {
+    if !isa.is_available() {
+        return Err(KernelError::IsaUnavailable { isa: isa.name() });
+    }
+    if !from.is_quantized() {
+        return Err(KernelError::UnsupportedFormat { code: from.as_u8() });
+    }
+    if to.is_quantized() {
+        return Err(KernelError::NotRowWritable { format: to });
+    }
+    let header = PageHeader::validate(shape, from, src)?;
+    if tokens > usize::from(header.tokens) {
+        return Err(KernelError::EncodedTokens { tokens, encoded: usize::from(header.tokens), format: from });
+    }
+    shape.check_page(to, dst.len())?;
+    let dst = &mut dst[..shape.page_bytes(to)];
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_avx512() && to == Format::F16 && shape.block_tokens.is_multiple_of(16) {
+        let layout = crate::format::quant::QuantLayout::new(shape, from)?;
+        // SAFETY: `isa` passed `is_available`, so avx512f/bw/vl, avx2, fma and f16c were detected;
+        // the header check fixed the source's length for `layout`, `dst` is exactly one f16 page of
+        // `shape`, `tokens ≤ block_tokens` (the header's count is at most that), and block_tokens is
+        // a multiple of 16.
+        unsafe { avx512::to_f16_page(&layout, src, tokens, dst) };
+        return Ok(());
+    }
+    let n = tokens * shape.kv_heads * shape.head_dim;
+    let (mut k, mut v) = (vec![0f32; n], vec![0f32; n]);
+    dequantize_with(isa, shape, from, src, tokens, &mut k, &mut v)?;
+    dst.fill(0);
+    init_page(shape, to, dst)?;
+    write_rows(shape, to, dst, 0, &k, &v)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use crate::attention::avx512::{MAX, MIN, reduce_lanes};
+    use crate::attention::avx512_quant::codes16;
+    use crate::format::Format;
+    use crate::format::header::PageHeader;
+    use crate::format::quant::{QuantLayout, V_GROUP};
+
+    const LANES: usize = 16;
+    /// `vcvtps2ph` rounding: to nearest-even, exceptions suppressed.
+    const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+    /// The f16 page of `layout`'s shape holding the first `tokens` slots of the quantized `src`.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must support avx512f, avx512bw, avx512vl, avx2, fma and f16c; `src` passed the header
+    /// check for `layout`'s shape and format; `dst.len() == page_bytes(F16)`; `tokens ≤
+    /// block_tokens`, a multiple of 16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn to_f16_page(layout: &QuantLayout, src: &[u8], tokens: usize, dst: &mut [u8]) {
+        // SAFETY: same contract.
+        unsafe {
+            match (layout.k_bits, layout.v_bits) {
+                (8, 8) => page::<8, 8>(layout, src, tokens, dst),
+                (4, 4) => page::<4, 4>(layout, src, tokens, dst),
+                (2, 2) => page::<2, 2>(layout, src, tokens, dst),
+                (8, 4) => page::<8, 4>(layout, src, tokens, dst),
+                _ => unreachable!("QuantLayout only describes the quantized formats"),
+            }
+        }
+    }
+
+    /// [`to_f16_page`] for `KB`-bit keys and `VB`-bit values.
+    ///
+    /// # Safety
+    ///
+    /// As for [`to_f16_page`], and the layout has these code widths.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn page<const KB: usize, const VB: usize>(layout: &QuantLayout, src: &[u8], tokens: usize, dst: &mut [u8]) {
+        let shape = layout.shape;
+        let (heads, dim, block) = (shape.kv_heads, shape.head_dim, shape.block_tokens);
+        let (bounds_at, k_at, v_at) =
+            (shape.bounds_offset(Format::F16), shape.k_offset(Format::F16), shape.v_offset(Format::F16));
+        // Header and padding: every byte that no element or bound covers is zero.
+        dst[..bounds_at].copy_from_slice(&PageHeader::expected(shape, Format::F16, 0).encode());
+        dst[bounds_at + 4 * heads * dim..k_at].fill(0);
+        dst[k_at + 2 * heads * dim * block..v_at].fill(0);
+        dst[v_at + 2 * heads * block * dim..].fill(0);
+        let full = tokens / LANES;
+        let tail: __mmask16 = ((1u32 << (tokens % LANES)) - 1) as __mmask16;
+        let filled = |i: usize| {
+            if i < full {
+                !0
+            } else if i == full {
+                tail
+            } else {
+                0
+            }
+        };
+        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+        let k_row = layout.k_row_bytes();
+        for h in 0..heads {
+            // Eight channels at a time, so their bounds are the lanes of one transposing reduction.
+            for c0 in (0..dim).step_by(8) {
+                let (mut lo, mut hi) = ([_mm512_setzero_ps(); 8], [_mm512_setzero_ps(); 8]);
+                for (k, (lo, hi)) in lo.iter_mut().zip(hi.iter_mut()).enumerate() {
+                    let c = c0 + k;
+                    // SAFETY: parameter pair `c < dim` of head `h` and code row `c` (`block × KB / 8`
+                    // bytes, read 16 codes at a time for `16i + 16 ≤ block`) lie in the source's K
+                    // section; K elements `(h, c, 0..block)` in `dst`'s K region.
+                    unsafe {
+                        let pair =
+                            _mm_cvtph_ps(_mm_cvtsi32_si128(s.add(layout.k_param(h, c)).cast::<i32>().read_unaligned()));
+                        let (scale, min) = (_mm512_broadcastss_ps(pair), _mm512_broadcastss_ps(_mm_movehdup_ps(pair)));
+                        let codes = s.add(layout.k_codes(h) + c * k_row);
+                        let out = d.add(k_at + 2 * (h * dim + c) * block);
+                        (*lo, *hi) = (_mm512_set1_ps(f32::INFINITY), _mm512_set1_ps(f32::NEG_INFINITY));
+                        for i in 0..block / LANES {
+                            let x = _mm512_fmadd_ps(codes16::<KB>(codes.add(i * LANES * KB / 8)), scale, min);
+                            let keep = filled(i);
+                            // `min(x, lo)` returns `lo` when `x` is NaN: NaN keys stay out of the bounds.
+                            *lo = _mm512_mask_min_ps(*lo, keep, x, *lo);
+                            *hi = _mm512_mask_max_ps(*hi, keep, x, *hi);
+                            let bits = _mm512_cvtps_ph::<NEAREST>(_mm512_maskz_mov_ps(keep, x));
+                            _mm256_storeu_si256(out.add(2 * LANES * i).cast(), bits);
+                        }
+                    }
+                }
+                // Lane k: channel c0 + k (lanes 8.. unused); interleaved (min, max) pairs, rounded.
+                let (lo, hi) = (reduce_lanes::<MIN>(&lo, 8), reduce_lanes::<MAX>(&hi, 8));
+                let pairs = _mm512_cvtps_ph::<NEAREST>(_mm512_permutex2var_ps(
+                    lo,
+                    _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23),
+                    hi,
+                ));
+                // SAFETY: bound pairs `(h, c0 .. c0 + 8)`, 32 bytes, in `dst`'s bounds region
+                // (`dim` is a multiple of 16).
+                unsafe { _mm256_storeu_si256(d.add(bounds_at + 4 * (h * dim + c0)).cast(), pairs) };
+            }
+            let v_row = layout.v_row_bytes();
+            for t in 0..block {
+                let out = d.wrapping_add(v_at + 2 * (h * block + t) * dim);
+                if t >= tokens {
+                    // SAFETY: row `(h, t)` of the V region, `dim` elements.
+                    unsafe { std::ptr::write_bytes(out, 0, 2 * dim) };
+                    continue;
+                }
+                let mut c = 0;
+                while c < dim {
+                    // SAFETY: value pair `(h, c / 32, t)` and codes `c..c + 16` of token row `t` lie
+                    // in the source's V section (`dim` is a multiple of 16); elements `(h, t, c..c +
+                    // 16)` in `dst`'s V region.
+                    unsafe {
+                        let at = layout.v_param(h, c / V_GROUP, t);
+                        let pair = _mm_cvtph_ps(_mm_cvtsi32_si128(s.add(at).cast::<i32>().read_unaligned()));
+                        let (scale, min) = (_mm512_broadcastss_ps(pair), _mm512_broadcastss_ps(_mm_movehdup_ps(pair)));
+                        let codes = s.add(layout.v_codes(h) + t * v_row);
+                        let span = (dim - c).min(V_GROUP);
+                        let mut e = 0;
+                        while e < span {
+                            let x = _mm512_fmadd_ps(codes16::<VB>(codes.add((c + e) * VB / 8)), scale, min);
+                            _mm256_storeu_si256(out.add(2 * (c + e)).cast(), _mm512_cvtps_ph::<NEAREST>(x));
+                            e += LANES;
+                        }
+                        c += span;
+                    }
+                }
+            }
+        }
+    }
+}
