@@ -4,17 +4,18 @@
 //! Shapes: SmolLM2 (9 query heads, 3 KV heads, head_dim 64) and Llama-3-8B (32/8/128), block_tokens
 //! 32, contexts of 4096 and 32768 tokens stored as full pages in one contiguous private buffer per
 //! format: f16 pages written row by row, and the same rows quantized to q8, q4, q2 and k8v4.
-//! Criterion times every available kernel on f16, every AVX-512 kernel on each quantized format
-//! (the integer `avx512vnni` beside its fallback `avx512`, or the best kernel elsewhere), and the
-//! streaming sum (throughput in bytes of pages read); then, in benchmark mode, a summary table gives
-//! for each shape, context, format and kernel the attention bandwidth, the streaming bandwidth of a
-//! buffer of the same size, their ratio (target ≥ 0.6 for the best f16 kernel at 32k), tokens per
-//! second, and tokens per second relative to the best f16 kernel of the same case measured in the
-//! same run (targets: q8 ≥ 1.6×, q4 ≥ 2.5×), from the best of several runs of each. Pages are fed
-//! with the next page as a prefetch hint (`DecodeAttention::page_prefetching`), as a client that has
-//! pinned a whole layer can. Rows `f16/25%`, `q8/25%`, `q4/25%`: page selection (`select_pages`) at
-//! a budget of a quarter of the pages plus attention over the chosen pages, counted over the whole
-//! context (target: f16/25% ≥ 2.5× full f16).
+//! Criterion times every available kernel on f16, the AVX2 and every AVX-512 kernel on each quantized
+//! format (`avx2`, what an AVX2-only machine runs, and the integer `avx512vnni` beside its fallback
+//! `avx512`; or the best kernel elsewhere), and the streaming sum (throughput in bytes of pages
+//! read); then, in benchmark mode, a summary table gives for each shape, context, format and kernel
+//! the attention bandwidth, the streaming bandwidth of a buffer of the same size, their ratio
+//! (target ≥ 0.6 for the best f16 kernel at 32k), tokens per second, and tokens per second relative
+//! to the best f16 kernel of the same case measured in the same run (targets: q8 ≥ 1.6×, q4 ≥
+//! 2.5×), from the best of several runs of each. Pages are fed with the next page as a prefetch hint
+//! (`DecodeAttention::page_prefetching`), as a client that has pinned a whole layer can. Rows
+//! `f16/25%`, `q8/25%`, `q4/25%`: page selection (`select_pages`) at a budget of a quarter of the
+//! pages plus attention over the chosen pages, counted over the whole context (target: f16/25% ≥
+//! 2.5× full f16).
 //!
 //! `cargo bench -p kvmm-kernels --bench decode_attention` (with `KVMM_BENCH_SUMMARY_ONLY=1`, only the
 //! table).
@@ -156,13 +157,15 @@ impl Stored {
     }
 
     /// The kernels benchmarked on this format: every one for f16; for the others the best, and
-    /// beside it every other AVX-512 kernel (the FMA kernel is the fallback of the VNNI one).
+    /// beside it every other x86-64 SIMD kernel: AVX2 (what an AVX2-only machine runs) and the
+    /// other AVX-512 kernel (the FMA kernel is the fallback of the VNNI one).
     fn isas(&self) -> Vec<Isa> {
         if self.format == Format::F16 {
             return Isa::available();
         }
         let best = Isa::detect();
-        let mut isas: Vec<Isa> = Isa::available().into_iter().filter(|isa| isa.is_avx512() && *isa != best).collect();
+        let mut isas: Vec<Isa> =
+            Isa::available().into_iter().filter(|isa| (*isa == Isa::Avx2 || isa.is_avx512()) && *isa != best).collect();
         isas.push(best);
         isas
     }

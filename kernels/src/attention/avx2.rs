@@ -12,7 +12,8 @@
 //!    channels (2 heads × 32 channels for small groups).
 //!
 //! Like the AVX-512 kernel it prefetches one KV head ahead (see `kernel.rs`). It also serves 8-token
-//! pages for the AVX-512 kernel. Memory safety rests on the length contract of
+//! pages for the AVX-512 kernel. Quantized pages go to `avx2_quant.rs`, which reuses this file's
+//! softmax, lane masks, reductions and tile heights. Memory safety rests on the length contract of
 //! `kernel.rs`, checked by the dispatcher before each page.
 
 use std::arch::x86_64::*;
@@ -23,9 +24,10 @@ use super::exp::{EXP_MAX, EXP_MIN, LN2_HI, LN2_LO, LOG2E, P};
 use super::kernel::{PageJob, Running, SLACK};
 use super::prefetch::Prefetch;
 
-const LANES: usize = 8;
+/// `f32` lanes per vector.
+pub(super) const LANES: usize = 8;
 /// Heads per score or value tile; larger groups take several tiles.
-const MAX_TILE_HEADS: usize = 4;
+pub(super) const MAX_TILE_HEADS: usize = 4;
 
 /// Expands `$body` once per tile height `1..=4`, with `$g` bound to it as a `const`.
 macro_rules! with_heads {
@@ -50,6 +52,7 @@ macro_rules! with_heads {
         }
     };
 }
+pub(super) use with_heads;
 
 /// Folds one page into the running state.
 ///
@@ -239,11 +242,12 @@ unsafe fn score_tile<const G: usize, const NV: usize, const BF16: bool>(
 /// All-ones in lanes `i < n` (`n ≤ 8`), zero elsewhere.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn lanes_below(n: usize) -> __m256 {
+pub(super) fn lanes_below(n: usize) -> __m256 {
     let index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), index))
 }
 
+/// The largest of the 8 lanes (NaN-free inputs).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn reduce_max(x: __m256) -> f32 {
@@ -253,9 +257,10 @@ fn reduce_max(x: __m256) -> f32 {
     _mm_cvtss_f32(x)
 }
 
+/// The sum of the 8 lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn reduce_add(x: __m256) -> f32 {
+pub(super) fn reduce_add(x: __m256) -> f32 {
     let x = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
     let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     let x = _mm_add_ss(x, _mm_shuffle_ps::<0b01>(x, x));
@@ -264,13 +269,13 @@ fn reduce_add(x: __m256) -> f32 {
 
 /// The per-head values of one softmax step, for a tile of up to 4 heads.
 #[derive(Default)]
-struct SoftmaxStep {
+pub(super) struct SoftmaxStep {
     /// In: the running reference of each head. Out: the reference after this page.
-    reference: [f32; MAX_TILE_HEADS],
+    pub reference: [f32; MAX_TILE_HEADS],
     /// Out: Σ exp(s − reference) over the page's filled tokens.
-    page_sum: [f32; MAX_TILE_HEADS],
+    pub page_sum: [f32; MAX_TILE_HEADS],
     /// Out: exp(old reference − new reference), the rescale of earlier sums.
-    alpha: [f32; MAX_TILE_HEADS],
+    pub alpha: [f32; MAX_TILE_HEADS],
 }
 
 /// Softmax step of `G` heads over `tokens` scores each, in place: leaves `p_t = exp(s_t − reference)`
@@ -285,7 +290,7 @@ struct SoftmaxStep {
 /// `scores` must point at `G` rows of `block` floats, each valid for reading and writing
 /// `tokens.next_multiple_of(8) ≤ block` floats.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn softmax<const G: usize>(scores: *mut f32, block: usize, tokens: usize, step: &mut SoftmaxStep) {
+pub(super) unsafe fn softmax<const G: usize>(scores: *mut f32, block: usize, tokens: usize, step: &mut SoftmaxStep) {
     let full = tokens / LANES;
     let rest = tokens % LANES;
     let vectors = full + usize::from(rest != 0);

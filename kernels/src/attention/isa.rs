@@ -16,7 +16,7 @@ use super::scalar;
 pub enum Isa {
     /// Portable scalar code, the reference.
     Scalar,
-    /// x86-64 AVX2 + FMA + F16C, 8 lanes.
+    /// x86-64 AVX2 + FMA + F16C, 8 lanes: one kernel for 16-bit pages, one for quantized pages.
     Avx2,
     /// x86-64 AVX-512 F/BW/VL (plus AVX2, FMA, F16C), 16 lanes.
     Avx512,
@@ -98,8 +98,9 @@ impl fmt::Display for Isa {
 }
 
 /// Runs one page through the kernel of `isa`, or the scalar kernel where `isa` has no path for the
-/// page's format (quantized pages on AVX2 and NEON; quantized pages of fewer than 16 tokens on
-/// AVX-512). Both AVX-512 kernels share the 16-bit page kernel; they differ on quantized pages.
+/// page's format (quantized pages on NEON; quantized pages of fewer than 16 tokens on AVX-512).
+/// AVX2 reads quantized pages with its own kernel (`avx2_quant`). Both AVX-512 kernels share the
+/// 16-bit page kernel; they differ on quantized pages.
 ///
 /// `isa` MUST have passed [`Isa::is_available`]; [`super::DecodeAttention`] only stores such values.
 /// The lengths in `run` are checked here, since the SIMD kernels index with raw pointers.
@@ -127,6 +128,13 @@ pub(crate) fn run_page(isa: Isa, job: &PageJob<'_>, run: &mut Running<'_>) {
             // SAFETY: `isa` passed `is_available`, so avx512f/bw/vl, avx2, fma and f16c were
             // detected on this CPU; `check` above established the length contract of `kernel.rs`.
             unsafe { super::avx512::page(job, run) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if quantized => {
+            // SAFETY: `isa` passed `is_available`, so avx2, fma and f16c were detected on this CPU;
+            // `check` above established the length contract of `kernel.rs`, and `job.shape` was
+            // validated (`PageJob::shape`), so `block_tokens ≥ 8`.
+            unsafe { super::avx2_quant::page(job, run) }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 if !quantized => {

@@ -20,12 +20,14 @@
 //! parameters), never widened into an f16 copy.
 //!
 //! Implementations: `scalar` (the reference, straight from the definition, every format), `avx2`
-//! (AVX2 + FMA + F16C), `avx512` (AVX-512F/BW/VL; `avx512_quant` for the quantized formats),
-//! `avx512vnni` (the same plus DQ, VNNI and VBMI: `avx512_vnni` computes the key scores of
-//! quantized pages with 16-bit integer dot products) and `neon`, chosen once per process by
-//! [`Isa::detect`] or forced with [`DecodeAttention::with_isa`].
-//! A kernel without a path for a page's format hands that page to the scalar kernel. [`reference`](mod@reference) is a dense `f64` reference that knows nothing
-//! of pages, the ground truth for tests.
+//! (AVX2 + FMA + F16C; `avx2_quant` for the quantized formats), `avx512` (AVX-512F/BW/VL;
+//! `avx512_quant` for the quantized formats), `avx512vnni` (the same plus DQ, VNNI and VBMI:
+//! `avx512_vnni` computes the key scores of quantized pages with 16-bit integer dot products) and
+//! `neon`, chosen once per process by [`Isa::detect`] or forced with [`DecodeAttention::with_isa`].
+//! A kernel without a path for a page's format hands that page to the scalar kernel (quantized
+//! pages on NEON, and on AVX-512 quantized pages of 8 token slots).
+//! [`reference`](mod@reference) is a dense `f64` reference that knows nothing of pages, the ground
+//! truth for tests.
 
 mod decode;
 mod exp;
@@ -37,6 +39,8 @@ pub mod select;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_quant;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
 #[cfg(target_arch = "x86_64")]
