@@ -98,14 +98,16 @@ impl fmt::Display for Isa {
 }
 
 /// Runs one page through the kernel of `isa`, or the scalar kernel where `isa` has no path for the
-/// page's format (quantized pages on AVX2 and NEON; quantized pages of fewer than 16 tokens on
-/// AVX-512). Both AVX-512 kernels share the 16-bit page kernel; they differ on quantized pages.
+/// page's format (quantized pages on AVX2; quantized pages of fewer than 16 tokens on AVX-512).
+/// Both AVX-512 kernels share the 16-bit page kernel; they differ on quantized pages. NEON takes
+/// every format.
 ///
 /// `isa` MUST have passed [`Isa::is_available`]; [`super::DecodeAttention`] only stores such values.
 /// The lengths in `run` are checked here, since the SIMD kernels index with raw pointers.
 pub(crate) fn run_page(isa: Isa, job: &PageJob<'_>, run: &mut Running<'_>) {
     run.check(job);
     debug_assert!(isa.is_available());
+    #[cfg(target_arch = "x86_64")]
     let quantized = job.format.is_quantized();
     match isa {
         #[cfg(target_arch = "x86_64")]
@@ -135,7 +137,7 @@ pub(crate) fn run_page(isa: Isa, job: &PageJob<'_>, run: &mut Running<'_>) {
             unsafe { super::avx2::page(job, run) }
         }
         #[cfg(target_arch = "aarch64")]
-        Isa::Neon if !quantized => {
+        Isa::Neon => {
             // SAFETY: `isa` passed `is_available`, so neon was detected on this CPU; `check` above
             // established the length contract of `kernel.rs`.
             unsafe { super::neon::page(job, run) }

@@ -22,7 +22,7 @@
 //! Implementations: `scalar` (the reference, straight from the definition, every format), `avx2`
 //! (AVX2 + FMA + F16C), `avx512` (AVX-512F/BW/VL; `avx512_quant` for the quantized formats),
 //! `avx512vnni` (the same plus DQ, VNNI and VBMI: `avx512_vnni` computes the key scores of
-//! quantized pages with 16-bit integer dot products) and `neon`, chosen once per process by
+//! quantized pages with 16-bit integer dot products) and `neon` (every format), chosen once per process by
 //! [`Isa::detect`] or forced with [`DecodeAttention::with_isa`].
 //! A kernel without a path for a page's format hands that page to the scalar kernel. [`reference`](mod@reference) is a dense `f64` reference that knows nothing
 //! of pages, the ground truth for tests.
