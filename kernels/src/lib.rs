@@ -11,8 +11,7 @@
 //!   ([`DecodeAttention`]; [`DecodeAttention::page_prefetching`] also names the page that comes next,
 //!   so its memory reads overlap this page's arithmetic), or [`decode_attention`] over a slice of
 //!   pages, with a scalar reference and AVX2, AVX-512 (with VNNI: integer key scores for quantized
-//!   pages) and NEON kernels chosen at run time ([`Isa`]; AVX2 and AVX-512 read quantized pages
-//!   with SIMD too, NEON with the scalar kernel);
+//!   pages) and NEON kernels chosen at run time ([`Isa`]; each reads every format);
 //!   [`attention::reference`] is a dense `f64` ground truth for tests. [`select_pages`] ranks pages
 //!   by an upper bound of their scores from the key bounds (Quest) and keeps the best under a page
 //!   budget; [`decode_attention_selected`] attends over those only.

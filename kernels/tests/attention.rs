@@ -328,3 +328,13 @@ fn detected_isa_is_available_and_cached() {
     assert_eq!(Isa::available().first(), Some(&Isa::Scalar));
     assert_eq!(Isa::available().last(), Some(&isa));
 }
+
+/// Every AArch64 CPU has Advanced SIMD, so there the NEON kernel is the one chosen, and the
+/// comparisons above (every available kernel against the scalar one) run it. CI runs this file under
+/// `qemu-aarch64`; a detection that failed there would silently leave NEON untested.
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn neon_is_detected_on_aarch64() {
+    assert_eq!(Isa::detect(), Isa::Neon);
+    assert_eq!(Isa::available(), vec![Isa::Scalar, Isa::Neon]);
+}

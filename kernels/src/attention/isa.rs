@@ -97,16 +97,17 @@ impl fmt::Display for Isa {
     }
 }
 
-/// Runs one page through the kernel of `isa`, or the scalar kernel where `isa` has no path for the
-/// page's format (quantized pages on NEON; quantized pages of fewer than 16 tokens on AVX-512).
-/// AVX2 reads quantized pages with its own kernel (`avx2_quant`). Both AVX-512 kernels share the
-/// 16-bit page kernel; they differ on quantized pages.
+/// Runs one page through the kernel of `isa`. Every SIMD kernel now reads every format: AVX2 has its own kernel for
+/// quantized pages (`avx2_quant`), which also takes AVX-512's quantized pages of fewer than 16 token
+/// slots; both AVX-512 kernels share the 16-bit page kernel and differ on quantized pages; NEON
+/// takes every format. So the scalar kernel runs only as `Isa::Scalar`.
 ///
 /// `isa` MUST have passed [`Isa::is_available`]; [`super::DecodeAttention`] only stores such values.
 /// The lengths in `run` are checked here, since the SIMD kernels index with raw pointers.
 pub(crate) fn run_page(isa: Isa, job: &PageJob<'_>, run: &mut Running<'_>) {
     run.check(job);
     debug_assert!(isa.is_available());
+    #[cfg(target_arch = "x86_64")]
     let quantized = job.format.is_quantized();
     match isa {
         #[cfg(target_arch = "x86_64")]
@@ -130,6 +131,13 @@ pub(crate) fn run_page(isa: Isa, job: &PageJob<'_>, run: &mut Running<'_>) {
             unsafe { super::avx512::page(job, run) }
         }
         #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Vnni if quantized => {
+            // SAFETY: `isa` passed `is_available`, so avx512f (hence AVX2), fma and f16c were
+            // detected on this CPU; `check` above established the length contract of `kernel.rs`,
+            // and `job.shape` was validated (`PageJob::shape`), so `block_tokens ≥ 8`.
+            unsafe { super::avx2_quant::page(job, run) }
+        }
+        #[cfg(target_arch = "x86_64")]
         Isa::Avx2 if quantized => {
             // SAFETY: `isa` passed `is_available`, so avx2, fma and f16c were detected on this CPU;
             // `check` above established the length contract of `kernel.rs`, and `job.shape` was
@@ -143,7 +151,7 @@ pub(crate) fn run_page(isa: Isa, job: &PageJob<'_>, run: &mut Running<'_>) {
             unsafe { super::avx2::page(job, run) }
         }
         #[cfg(target_arch = "aarch64")]
-        Isa::Neon if !quantized => {
+        Isa::Neon => {
             // SAFETY: `isa` passed `is_available`, so neon was detected on this CPU; `check` above
             // established the length contract of `kernel.rs`.
             unsafe { super::neon::page(job, run) }

@@ -23,11 +23,10 @@
 //! (AVX2 + FMA + F16C; `avx2_quant` for the quantized formats), `avx512` (AVX-512F/BW/VL;
 //! `avx512_quant` for the quantized formats), `avx512vnni` (the same plus DQ, VNNI and VBMI:
 //! `avx512_vnni` computes the key scores of quantized pages with 16-bit integer dot products) and
-//! `neon`, chosen once per process by [`Isa::detect`] or forced with [`DecodeAttention::with_isa`].
-//! A kernel without a path for a page's format hands that page to the scalar kernel (quantized
-//! pages on NEON, and on AVX-512 quantized pages of 8 token slots).
-//! [`reference`](mod@reference) is a dense `f64` reference that knows nothing of pages, the ground
-//! truth for tests.
+//! `neon` (every format), chosen once per process by [`Isa::detect`] or forced with
+//! [`DecodeAttention::with_isa`]. The AVX-512 kernels hand quantized pages of 8 token slots to
+//! `avx2_quant`. [`reference`](mod@reference) is a dense `f64` reference that knows nothing of
+//! pages, the ground truth for tests.
 
 mod decode;
 mod exp;

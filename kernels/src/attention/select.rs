@@ -298,6 +298,7 @@ pub fn decode_attention_selected(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::attention::Isa;
     use crate::format::Format;
 
     #[test]
