@@ -12,8 +12,9 @@
 //! the scalar rounding), rounded to f16 by `vcvtps2ph` and stored; the channel's bounds are the
 //! rounded smallest and largest filled value (rounding is monotonic, so this is the smallest and
 //! largest stored element; NaN is skipped, as [`write_rows`] skips it), eight channels' bounds
-//! reduced at once by a transposing reduction. Values: per token and group
-//! of 32 channels, the pair is broadcast and the same FMA and rounding run over the token's codes.
+//! reduced at once by a transposing reduction. Values: the parameters of 16 tokens of a group are
+//! decoded at once, each token's pair broadcast from its lane, and the same FMA and rounding run
+//! over the token's codes.
 //! Other outputs (bf16) and shapes take the reference path, which is the definition.
 //!
 //! Memory safety of the AVX-512 path rests on the checks of [`dequantize_page_with`]: the source
@@ -93,7 +94,7 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use crate::attention::avx512::{MAX, MIN, reduce_lanes};
-    use crate::attention::avx512_quant::codes16;
+    use crate::attention::avx512_quant::{codes16, params16};
     use crate::format::Format;
     use crate::format::header::PageHeader;
     use crate::format::quant::{QuantLayout, V_GROUP};
@@ -172,9 +173,15 @@ mod avx512 {
                             let x = _mm512_fmadd_ps(codes16::<KB>(codes.add(i * LANES * KB / 8)), scale, min);
                             let keep = filled(i);
                             // `min(x, lo)` returns `lo` when `x` is NaN: NaN keys stay out of the bounds.
-                            *lo = _mm512_mask_min_ps(*lo, keep, x, *lo);
-                            *hi = _mm512_mask_max_ps(*hi, keep, x, *hi);
-                            let bits = _mm512_cvtps_ph::<NEAREST>(_mm512_maskz_mov_ps(keep, x));
+                            let x = if keep == !0 {
+                                (*lo, *hi) = (_mm512_min_ps(x, *lo), _mm512_max_ps(x, *hi));
+                                x
+                            } else {
+                                *lo = _mm512_mask_min_ps(*lo, keep, x, *lo);
+                                *hi = _mm512_mask_max_ps(*hi, keep, x, *hi);
+                                _mm512_maskz_mov_ps(keep, x)
+                            };
+                            let bits = _mm512_cvtps_ph::<NEAREST>(x);
                             _mm256_storeu_si256(out.add(2 * LANES * i).cast(), bits);
                         }
                     }
@@ -191,31 +198,39 @@ mod avx512 {
                 unsafe { _mm256_storeu_si256(d.add(bounds_at + 4 * (h * dim + c0)).cast(), pairs) };
             }
             let v_row = layout.v_row_bytes();
-            for t in 0..block {
-                let out = d.wrapping_add(v_at + 2 * (h * block + t) * dim);
-                if t >= tokens {
-                    // SAFETY: row `(h, t)` of the V region, `dim` elements.
-                    unsafe { std::ptr::write_bytes(out, 0, 2 * dim) };
-                    continue;
+            let groups = dim.div_ceil(V_GROUP);
+            for t0 in (0..block).step_by(LANES) {
+                // The parameters of 16 tokens of each group at once (group-major: 64 contiguous
+                // bytes); each token's pair is then a lane broadcast.
+                let mut params = [(_mm512_setzero_ps(), _mm512_setzero_ps()); 256 / V_GROUP];
+                if t0 < tokens {
+                    for (j, p) in params.iter_mut().enumerate().take(groups) {
+                        // SAFETY: pairs `(h, j, t0 .. t0 + 16)`, `t0 + 16 ≤ block`, lie in the source's
+                        // V parameters.
+                        *p = unsafe { params16(s.add(layout.v_param(h, j, t0))) };
+                    }
                 }
-                let mut c = 0;
-                while c < dim {
-                    // SAFETY: value pair `(h, c / 32, t)` and codes `c..c + 16` of token row `t` lie
-                    // in the source's V section (`dim` is a multiple of 16); elements `(h, t, c..c +
-                    // 16)` in `dst`'s V region.
+                for t in t0..t0 + LANES {
+                    let out = d.wrapping_add(v_at + 2 * (h * block + t) * dim);
+                    if t >= tokens {
+                        // SAFETY: row `(h, t)` of the V region, `dim` elements.
+                        unsafe { std::ptr::write_bytes(out, 0, 2 * dim) };
+                        continue;
+                    }
+                    let lane = _mm512_set1_epi32((t - t0) as i32);
+                    // SAFETY: token row `t` of the source's V codes (`dim × VB / 8` bytes, read 16 codes
+                    // at a time, `dim` a multiple of 16); elements `(h, t, 0..dim)` of `dst`'s V region.
                     unsafe {
-                        let at = layout.v_param(h, c / V_GROUP, t);
-                        let pair = _mm_cvtph_ps(_mm_cvtsi32_si128(s.add(at).cast::<i32>().read_unaligned()));
-                        let (scale, min) = (_mm512_broadcastss_ps(pair), _mm512_broadcastss_ps(_mm_movehdup_ps(pair)));
                         let codes = s.add(layout.v_codes(h) + t * v_row);
-                        let span = (dim - c).min(V_GROUP);
-                        let mut e = 0;
-                        while e < span {
-                            let x = _mm512_fmadd_ps(codes16::<VB>(codes.add((c + e) * VB / 8)), scale, min);
-                            _mm256_storeu_si256(out.add(2 * (c + e)).cast(), _mm512_cvtps_ph::<NEAREST>(x));
-                            e += LANES;
+                        for c in (0..dim).step_by(LANES) {
+                            let (scale, min) = params[c / V_GROUP];
+                            let x = _mm512_fmadd_ps(
+                                codes16::<VB>(codes.add(c * VB / 8)),
+                                _mm512_permutexvar_ps(lane, scale),
+                                _mm512_permutexvar_ps(lane, min),
+                            );
+                            _mm256_storeu_si256(out.add(2 * c).cast(), _mm512_cvtps_ph::<NEAREST>(x));
                         }
-                        c += span;
                     }
                 }
             }
