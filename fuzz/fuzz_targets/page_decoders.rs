@@ -7,7 +7,9 @@
 #![no_main]
 
 use kvmm_kernels::format::{Format, PageShape};
-use kvmm_kernels::{AttnShape, DecodeAttention, PageHeader, PageView, dequantize, key_bounds, select_pages};
+use kvmm_kernels::{
+    AttnShape, DecodeAttention, PageHeader, PageView, dequantize, dequantize_page, key_bounds, requantize, select_pages,
+};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -34,10 +36,22 @@ fuzz_target!(|data: &[u8]| {
     let n = tokens * shape.kv_heads * shape.head_dim;
     let (mut k, mut v) = (vec![0f32; n], vec![0f32; n]);
     let _ = dequantize(shape, format, &page, tokens, &mut k, &mut v);
+    // Back to a 16-bit page (both element types), and one step further down, as Compress does.
+    for to in [Format::F16, Format::Bf16] {
+        let mut back = vec![0u8; shape.page_bytes(to)];
+        let _ = dequantize_page(shape, format, &page, tokens, to, &mut back);
+    }
+    let mut lower = vec![0u8; shape.page_bytes(Format::Q2)];
+    let _ = requantize(shape, Format::F16, format, &page, tokens, Format::Q2, &mut lower);
     let (mut lo, mut hi) = (vec![0f32; shape.kv_heads * shape.head_dim], vec![0f32; shape.kv_heads * shape.head_dim]);
     let _ = key_bounds(shape, format, &page, &mut lo, &mut hi);
 
-    let attn = AttnShape { q_heads: shape.kv_heads * 2, kv_heads: shape.kv_heads, head_dim: shape.head_dim, block_tokens: shape.block_tokens };
+    let attn = AttnShape {
+        q_heads: shape.kv_heads * 2,
+        kv_heads: shape.kv_heads,
+        head_dim: shape.head_dim,
+        block_tokens: shape.block_tokens,
+    };
     let q = vec![0.25f32; attn.q_heads * attn.head_dim];
     let view = PageView { bytes: &page, format, tokens };
     let _ = select_pages(attn, &q, 0.125, &[view, view, view, view], 3);
