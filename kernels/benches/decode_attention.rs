@@ -18,7 +18,7 @@
 //! 2.5× full f16).
 //!
 //! `cargo bench -p kvmm-kernels --bench decode_attention` (with `KVMM_BENCH_SUMMARY_ONLY=1`, only the
-//! table).
+//! table; `KVMM_BENCH_CONTEXTS=131072` for other contexts).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -30,6 +30,25 @@ use rand::{RngExt, SeedableRng};
 
 const BLOCK_TOKENS: usize = 32;
 const CONTEXTS: [usize; 2] = [4096, 32768];
+
+/// The contexts to run: [`CONTEXTS`], or the comma-separated token counts of `KVMM_BENCH_CONTEXTS`
+/// (multiples of `BLOCK_TOKENS`), e.g. `131072` to see a context whose f16 pages only DRAM can hold.
+fn contexts() -> Vec<usize> {
+    match std::env::var("KVMM_BENCH_CONTEXTS") {
+        Ok(list) => list
+            .split(',')
+            .map(|c| {
+                let tokens: usize = c.trim().parse().expect("KVMM_BENCH_CONTEXTS: token counts such as 4096,131072");
+                assert!(
+                    tokens > 0 && tokens.is_multiple_of(BLOCK_TOKENS),
+                    "contexts are whole pages of {BLOCK_TOKENS}"
+                );
+                tokens
+            })
+            .collect(),
+        Err(_) => CONTEXTS.to_vec(),
+    }
+}
 
 struct Model {
     name: &'static str,
@@ -226,7 +245,8 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let benchmarking = args.iter().any(|a| a == "--bench") && !args.iter().any(|a| a == "--profile-time");
     let summary_only = std::env::var_os("KVMM_BENCH_SUMMARY_ONLY").is_some();
-    let cases: Vec<Case> = MODELS.iter().flat_map(|m| CONTEXTS.iter().map(move |&c| Case::new(m, c))).collect();
+    let contexts = contexts();
+    let cases: Vec<Case> = MODELS.iter().flat_map(|m| contexts.iter().map(move |&c| Case::new(m, c))).collect();
     // `KVMM_BENCH_PROFILE_SELECT=<case label>`: run only page selection on that case's f16 pages for
     // a few seconds, for a profiler.
     if let Ok(label) = std::env::var("KVMM_BENCH_PROFILE_SELECT") {
