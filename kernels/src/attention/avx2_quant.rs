@@ -42,7 +42,7 @@ use crate::format::Format;
 use crate::format::quant::V_GROUP;
 
 use super::avx2::{LANES, MAX_TILE_HEADS, SoftmaxStep, lanes_below, reduce_add, softmax, with_heads};
-use super::avx512_quant::HeadBytes;
+use super::avx512_quant::{HeadBytes, HeadSections};
 use super::kernel::{PageJob, Running};
 use super::prefetch::Prefetch;
 
@@ -84,35 +84,11 @@ unsafe fn page_in<const KB: usize, const VB: usize>(job: &PageJob<'_>, run: &mut
     let groups = dim.div_ceil(V_GROUP);
     let padded = tokens.next_multiple_of(LANES);
     let head = HeadBytes::new::<KB, VB>(dim, block);
-    // SAFETY: the page holds `kv_heads` K sections of `head.k` bytes at `k_offset` and as many V
-    // sections of `head.v` bytes at `v_offset` (contract: `bytes.len() ≥ page_bytes`, offsets and
-    // sizes computed from the shape the header was checked against).
-    let (k_section, v_section) =
-        unsafe { (job.bytes.as_ptr().add(job.k_offset), job.bytes.as_ptr().add(job.v_offset)) };
-    let into_l1 = head.k + head.v;
 
     for kv in 0..shape.kv_heads {
         let first_q = kv * group;
-        // SAFETY: `kv < kv_heads`, so each offset starts this head's section inside its region.
-        let (k_params, v_params) = unsafe { (k_section.add(kv * head.k), v_section.add(kv * head.v)) };
-        // SAFETY: the codes follow the parameters inside the same head section.
-        let (k_codes, v_codes) = unsafe { (k_params.add(head.k_params), v_params.add(head.v_params)) };
-        // Prefetch targets (never dereferenced): the next head's sections, or head 0 of the next page.
-        let (ahead_k, ahead_v) = if kv + 1 < shape.kv_heads {
-            (k_params.wrapping_add(head.k), v_params.wrapping_add(head.v))
-        } else if let Some(next) = job.next {
-            (next.as_ptr().wrapping_add(job.k_offset), next.as_ptr().wrapping_add(job.v_offset))
-        } else {
-            (std::ptr::null(), std::ptr::null())
-        };
-        let (ahead_k, ahead_v) = if ahead_k.is_null() {
-            (Prefetch::none(), Prefetch::none())
-        } else {
-            (Prefetch::ahead(ahead_k, into_l1), Prefetch::ahead(ahead_v, into_l1))
-        };
-        ahead_k.span(0, head.k_params);
-        ahead_v.span(0, head.v_params);
-        let (ahead_k, ahead_v) = (ahead_k.offset(head.k_params), ahead_v.offset(head.v_params));
+        // SAFETY: `kv < kv_heads`; `job` satisfies the length contract (this function's).
+        let HeadSections { k_params, v_params, k_codes, v_codes, ahead_k, ahead_v } = unsafe { head.sections(job, kv) };
 
         let mut g0 = 0;
         while g0 < group {

@@ -83,7 +83,71 @@ pub(super) struct HeadBytes {
     pub v_row: usize,
 }
 
+/// One KV head's sections in a page and the prefetch targets that go with them, from
+/// [`HeadBytes::sections`].
+pub(super) struct HeadSections {
+    /// The head's key parameters, then (`k_codes`) its key codes.
+    pub k_params: *const u8,
+    /// The head's value parameters, then (`v_codes`) its value codes.
+    pub v_params: *const u8,
+    /// The head's key codes.
+    pub k_codes: *const u8,
+    /// The head's value codes.
+    pub v_codes: *const u8,
+    /// The key codes of the next head (or of head 0 of the next page), whose parameters were just
+    /// prefetched; [`Prefetch::none`] on a page's last head without a next page.
+    pub ahead_k: Prefetch,
+    /// Likewise for the value codes.
+    pub ahead_v: Prefetch,
+}
+
 impl HeadBytes {
+    /// Locates KV head `kv`'s sections in `job`'s page and prefetches the parameters of the head
+    /// that comes next (the next head's sections, or head 0 of the next page).
+    ///
+    /// # Safety
+    ///
+    /// `kv < kv_heads`, and `job` satisfies the length contract of `kernel.rs` for a page whose
+    /// sections `self` describes (`bytes.len() ≥ page_bytes`, offsets and sizes computed from the
+    /// shape the header was checked against).
+    #[inline]
+    pub unsafe fn sections(&self, job: &PageJob<'_>, kv: usize) -> HeadSections {
+        // SAFETY: the page holds `kv_heads` K sections of `self.k` bytes at `k_offset` and as many V
+        // sections of `self.v` bytes at `v_offset`, and `kv < kv_heads`; the codes follow the
+        // parameters inside the same head section.
+        let (k_params, v_params, k_codes, v_codes) = unsafe {
+            let k_params = job.bytes.as_ptr().add(job.k_offset + kv * self.k);
+            let v_params = job.bytes.as_ptr().add(job.v_offset + kv * self.v);
+            (k_params, v_params, k_params.add(self.k_params), v_params.add(self.v_params))
+        };
+        // Prefetch targets (never dereferenced).
+        let into_l1 = self.k + self.v;
+        let (ahead_k, ahead_v) = if kv + 1 < job.shape.kv_heads {
+            (
+                Prefetch::ahead(k_params.wrapping_add(self.k), into_l1),
+                Prefetch::ahead(v_params.wrapping_add(self.v), into_l1),
+            )
+        } else if let Some(next) = job.next {
+            let next = next.as_ptr();
+            (
+                Prefetch::ahead(next.wrapping_add(job.k_offset), into_l1),
+                Prefetch::ahead(next.wrapping_add(job.v_offset), into_l1),
+            )
+        } else {
+            (Prefetch::none(), Prefetch::none())
+        };
+        ahead_k.span(0, self.k_params);
+        ahead_v.span(0, self.v_params);
+        HeadSections {
+            k_params,
+            v_params,
+            k_codes,
+            v_codes,
+            ahead_k: ahead_k.offset(self.k_params),
+            ahead_v: ahead_v.offset(self.v_params),
+        }
+    }
+
     pub const fn new<const KB: usize, const VB: usize>(dim: usize, block: usize) -> HeadBytes {
         let groups = dim.div_ceil(V_GROUP);
         let (k_row, v_row) = (block * KB / 8, dim * VB / 8);
@@ -110,35 +174,11 @@ unsafe fn page_in<const KB: usize, const VB: usize>(job: &PageJob<'_>, run: &mut
     let groups = dim.div_ceil(V_GROUP);
     let padded = tokens.next_multiple_of(LANES);
     let head = HeadBytes::new::<KB, VB>(dim, block);
-    // SAFETY: the page holds `kv_heads` K sections of `head.k` bytes at `k_offset` and as many V
-    // sections of `head.v` bytes at `v_offset` (contract: `bytes.len() ≥ page_bytes`, offsets and
-    // sizes computed from the shape the header was checked against).
-    let (k_section, v_section) =
-        unsafe { (job.bytes.as_ptr().add(job.k_offset), job.bytes.as_ptr().add(job.v_offset)) };
-    let into_l1 = head.k + head.v;
 
     for kv in 0..shape.kv_heads {
         let first_q = kv * group;
-        // SAFETY: `kv < kv_heads`, so each offset starts this head's section inside its region.
-        let (k_params, v_params) = unsafe { (k_section.add(kv * head.k), v_section.add(kv * head.v)) };
-        // SAFETY: the codes follow the parameters inside the same head section.
-        let (k_codes, v_codes) = unsafe { (k_params.add(head.k_params), v_params.add(head.v_params)) };
-        // Prefetch targets (never dereferenced): the next head's sections, or head 0 of the next page.
-        let (ahead_k, ahead_v) = if kv + 1 < shape.kv_heads {
-            (k_params.wrapping_add(head.k), v_params.wrapping_add(head.v))
-        } else if let Some(next) = job.next {
-            (next.as_ptr().wrapping_add(job.k_offset), next.as_ptr().wrapping_add(job.v_offset))
-        } else {
-            (std::ptr::null(), std::ptr::null())
-        };
-        let (ahead_k, ahead_v) = if ahead_k.is_null() {
-            (Prefetch::none(), Prefetch::none())
-        } else {
-            (Prefetch::ahead(ahead_k, into_l1), Prefetch::ahead(ahead_v, into_l1))
-        };
-        ahead_k.span(0, head.k_params);
-        ahead_v.span(0, head.v_params);
-        let (ahead_k, ahead_v) = (ahead_k.offset(head.k_params), ahead_v.offset(head.v_params));
+        // SAFETY: `kv < kv_heads`; `job` satisfies the length contract (this function's).
+        let HeadSections { k_params, v_params, k_codes, v_codes, ahead_k, ahead_v } = unsafe { head.sections(job, kv) };
 
         let mut g0 = 0;
         while g0 < group {
