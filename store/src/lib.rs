@@ -3,3 +3,9 @@
 //! Like `shm`, this crate holds `unsafe` code (io_uring submissions, aligned and locked memory); every
 //! block names the invariant it relies on. It never depends on tokio or tonic: engines run their own
 //! threads and their calls block.
+//!
+//! - [`io`]: the [`io::IoEngine`] seam (io_uring on its own thread, pread/pwrite, a fault-injecting
+//!   wrapper), [`io::run_all`] that finishes batches on any engine, aligned buffers, and the start-up
+//!   [`io::probe`].
+
+pub mod io;
