@@ -4,8 +4,10 @@
 //! block names the invariant it relies on. It never depends on tokio or tonic: engines run their own
 //! threads and their calls block.
 //!
+//! - [`extent`]: the best-fit extent allocator behind arenas, the DRAM pool and flash slots.
 //! - [`io`]: the [`io::IoEngine`] seam (io_uring on its own thread, pread/pwrite, a fault-injecting
 //!   wrapper), [`io::run_all`] that finishes batches on any engine, aligned buffers, and the start-up
 //!   [`io::probe`].
 
+pub mod extent;
 pub mod io;

@@ -9,7 +9,7 @@
 use super::mover::{MoveOutcome, move_page};
 use crate::daemon::Core;
 use crate::error::Result;
-use crate::pool::extent::ExtentAllocator;
+use kvmm_store::extent::ExtentAllocator;
 
 /// A page and where it lives now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use kvmm_shm::{Access, Mapping, Memfd, Seals};
 
-use super::extent::ExtentAllocator;
 use crate::error::Result;
+use kvmm_store::extent::ExtentAllocator;
 
 /// Granularity with which the daemon faults arena memory in.
 pub const POPULATE_CHUNK: u64 = 2 << 20;

@@ -6,9 +6,10 @@
 //! as large as the whole budget, but only frames inside the budget are ever handed out.
 
 pub mod arena;
-pub mod extent;
 
 use std::collections::HashMap;
+
+use kvmm_store::extent::ExtentAllocator;
 
 pub use arena::{Arena, Frame, PrefaultJob};
 
@@ -78,7 +79,7 @@ impl Pool {
 
     /// Allocates `count` frames of `len` bytes for `uid`: all of them or none.
     pub fn alloc_frames(&mut self, uid: u32, len: u64, count: u64) -> Result<Vec<Frame>> {
-        let requested = extent::ExtentAllocator::frame_len(len).saturating_mul(count);
+        let requested = ExtentAllocator::frame_len(len).saturating_mul(count);
         let available = self.budget - self.used;
         if requested > available {
             return Err(Error::Exhausted { tier: DEVICE_TIER, requested, available, budget: self.budget });
@@ -105,7 +106,7 @@ impl Pool {
     /// anywhere. The move needs the destination before it frees the source, so the destination is
     /// counted like any other frame; `None` when the budget or the arena has no room.
     pub fn alloc_move_target(&mut self, uid: u32, len: u64, at: Option<u64>) -> Result<Option<Frame>> {
-        let need = extent::ExtentAllocator::frame_len(len);
+        let need = ExtentAllocator::frame_len(len);
         if need > self.budget - self.used {
             return Ok(None);
         }

@@ -140,6 +140,30 @@ pub enum IoError {
     Unavailable { engine: EngineKind, reason: String },
 }
 
+impl Clone for IoError {
+    /// A copy for each page of a failed coalesced request: the OS error is rebuilt from its errno (or
+    /// its kind and message).
+    fn clone(&self) -> Self {
+        match self {
+            IoError::Os { verb, offset, len, source } => IoError::Os {
+                verb,
+                offset: *offset,
+                len: *len,
+                source: match source.raw_os_error() {
+                    Some(code) => io::Error::from_raw_os_error(code),
+                    None => io::Error::new(source.kind(), source.to_string()),
+                },
+            },
+            IoError::Short { verb, offset, len, done } => {
+                IoError::Short { verb, offset: *offset, len: *len, done: *done }
+            }
+            IoError::Unaligned { what, value } => IoError::Unaligned { what, value: *value },
+            IoError::OutOfMemory { bytes } => IoError::OutOfMemory { bytes: *bytes },
+            IoError::Unavailable { engine, reason } => IoError::Unavailable { engine: *engine, reason: reason.clone() },
+        }
+    }
+}
+
 impl IoError {
     /// The OS error number behind this error, if any (`EIO`, `ENOSPC`, ...).
     pub fn raw_os_error(&self) -> Option<i32> {

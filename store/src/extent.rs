@@ -1,6 +1,7 @@
-//! A best-fit extent allocator over one arena's byte range.
+//! A best-fit extent allocator over a byte range: frames of the device tier's arenas (aligned to
+//! [`FRAME_ALIGN`]) and of the DRAM pool, and the flash file's slots (aligned to its I/O block).
 //!
-//! Frames are contiguous extents aligned to [`FRAME_ALIGN`]. Free space is kept twice: by offset (to
+//! Extents are contiguous and aligned to the allocator's alignment. Free space is kept twice: by offset (to
 //! coalesce neighbours on free) and by (length, offset) (to find the smallest hole that fits, lowest
 //! address first, which keeps the high-water mark low and the populated part of the arena dense).
 //!
@@ -17,6 +18,8 @@ pub const FRAME_ALIGN: u64 = 64;
 /// Best-fit allocator of aligned extents inside `0..capacity`.
 #[derive(Debug)]
 pub struct ExtentAllocator {
+    /// Alignment of every extent's offset and length, a power of two.
+    align: u64,
     capacity: u64,
     used: u64,
     by_offset: BTreeMap<u64, u64>,
@@ -24,19 +27,36 @@ pub struct ExtentAllocator {
 }
 
 impl ExtentAllocator {
-    /// An allocator with all of `0..capacity` free (capacity rounded down to the alignment).
+    /// An allocator of [`FRAME_ALIGN`]-aligned frames with all of `0..capacity` free (capacity
+    /// rounded down to the alignment).
     pub fn new(capacity: u64) -> Self {
-        let capacity = capacity / FRAME_ALIGN * FRAME_ALIGN;
-        let mut a = ExtentAllocator { capacity, used: 0, by_offset: BTreeMap::new(), by_size: BTreeSet::new() };
+        Self::with_align(capacity, FRAME_ALIGN)
+    }
+
+    /// Like [`ExtentAllocator::new`] with extents aligned to `align` (a power of two).
+    pub fn with_align(capacity: u64, align: u64) -> Self {
+        assert!(align.is_power_of_two(), "extent alignment {align} is not a power of two");
+        let capacity = capacity / align * align;
+        let mut a = ExtentAllocator { align, capacity, used: 0, by_offset: BTreeMap::new(), by_size: BTreeSet::new() };
         if capacity > 0 {
             a.insert_free(0, capacity);
         }
         a
     }
 
-    /// Rounds a byte count up to the frame alignment.
+    /// Rounds a byte count up to the frame alignment ([`FRAME_ALIGN`]).
     pub fn frame_len(bytes: u64) -> u64 {
         bytes.div_ceil(FRAME_ALIGN) * FRAME_ALIGN
+    }
+
+    /// Rounds a byte count up to this allocator's alignment: the length an extent of `bytes` takes.
+    pub fn extent_len(&self, bytes: u64) -> u64 {
+        bytes.div_ceil(self.align) * self.align
+    }
+
+    /// The alignment of every extent.
+    pub fn align(&self) -> u64 {
+        self.align
     }
 
     /// Bytes allocated (after rounding to the alignment).
@@ -51,7 +71,7 @@ impl ExtentAllocator {
 
     /// Allocates `len` bytes (rounded up to the alignment); returns the offset, or `None` when no hole fits.
     pub fn alloc(&mut self, len: u64) -> Option<u64> {
-        let len = Self::frame_len(len.max(1));
+        let len = self.extent_len(len.max(1));
         let &(hole_len, hole_off) = self.by_size.range((len, 0)..).next()?;
         self.remove_free(hole_off, hole_len);
         if hole_len > len {
@@ -64,9 +84,9 @@ impl ExtentAllocator {
     /// Allocates exactly `offset..offset+len` (rounded), if that range is free. The compactor uses it
     /// to carry out a planned move.
     pub fn alloc_at(&mut self, offset: u64, len: u64) -> bool {
-        let len = Self::frame_len(len.max(1));
+        let len = self.extent_len(len.max(1));
         let Some((&hole_off, &hole_len)) = self.by_offset.range(..=offset).next_back() else { return false };
-        if !offset.is_multiple_of(FRAME_ALIGN) || offset + len > hole_off + hole_len {
+        if !offset.is_multiple_of(self.align) || offset + len > hole_off + hole_len {
             return false;
         }
         self.remove_free(hole_off, hole_len);
@@ -92,7 +112,7 @@ impl ExtentAllocator {
     /// In debug builds, if the extent overlaps free space (a double free).
     pub fn free(&mut self, offset: u64, len: u64) {
         let mut off = offset;
-        let mut len = Self::frame_len(len.max(1));
+        let mut len = self.extent_len(len.max(1));
         debug_assert!(off + len <= self.capacity, "free past capacity");
         debug_assert!(!self.overlaps_free(off, len), "double free of {off}+{len}");
         self.used -= len;
@@ -213,6 +233,19 @@ mod tests {
         a.free(x, 64);
         assert_eq!(a.high_water(), z + 64);
         assert_eq!(a.holes_below_high_water(), 64);
+    }
+
+    #[test]
+    fn a_coarser_alignment_rounds_offsets_and_lengths() {
+        let mut a = ExtentAllocator::with_align(10 * 4096 + 100, 4096);
+        assert_eq!(a.capacity(), 10 * 4096);
+        let x = a.alloc(1).unwrap();
+        let y = a.alloc(4097).unwrap();
+        assert_eq!((x, y, a.used()), (0, 4096, 3 * 4096));
+        assert!(!a.alloc_at(5 * 4096 + 64, 64), "an unaligned offset is refused");
+        a.free(y, 4097);
+        a.check().unwrap();
+        assert_eq!(a.used(), 4096);
     }
 
     #[test]
