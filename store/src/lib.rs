@@ -8,6 +8,9 @@
 //! - [`io`]: the [`io::IoEngine`] seam (io_uring on its own thread, pread/pwrite, a fault-injecting
 //!   wrapper), [`io::run_all`] that finishes batches on any engine, aligned buffers, and the start-up
 //!   [`io::probe`].
+//! - [`seal`]: AES-256-GCM sealing of pages that leave the device, with per-session keys in locked
+//!   memory and per-slot nonces.
 
 pub mod extent;
 pub mod io;
+pub mod seal;
