@@ -5,6 +5,7 @@
 //! threads and their calls block.
 //!
 //! - [`extent`]: the best-fit extent allocator behind arenas, the DRAM pool and flash slots.
+//! - [`flash`]: the flash tier's preallocated O_DIRECT file: slots, sealed page records, coalesced I/O.
 //! - [`io`]: the [`io::IoEngine`] seam (io_uring on its own thread, pread/pwrite, a fault-injecting
 //!   wrapper), [`io::run_all`] that finishes batches on any engine, aligned buffers, and the start-up
 //!   [`io::probe`].
@@ -12,5 +13,6 @@
 //!   memory and per-slot nonces.
 
 pub mod extent;
+pub mod flash;
 pub mod io;
 pub mod seal;

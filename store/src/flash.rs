@@ -1,0 +1,594 @@
+//! The flash tier's file: one preallocated file (sized to the flash budget, opened with O_DIRECT)
+//! whose slots hold sealed pages, written and read in large coalesced I/Os through an
+//! [`IoEngine`].
+//!
+//! A slot is an extent of whole 4 KiB blocks: a 64-byte record header, then the page's ciphertext,
+//! then zeros to the block boundary. Pages written in one call get adjacent slots where the free
+//! space allows, and adjacent slots travel in one request of up to [`RUN_BYTES`].
+//!
+//! ```text
+//!  slot (a multiple of 4096 bytes)
+//!  0        8     9        12       16          24          32       36       40         48        64
+//!  +--------+-----+--------+--------+-----------+-----------+--------+--------+----------+---------+------------------+------+
+//!  | magic  | ver | zero   | len    | counter   | session   | layer  | block  | zero     | tag     | ciphertext (len) | zero |
+//!  | KVMMSLT1| 1  | 3 B    | u32    | u64       | u64       | u32    | u32    | 8 B      | 16 B    |                  | pad  |
+//!  +--------+-----+--------+--------+-----------+-----------+--------+--------+----------+---------+------------------+------+
+//! ```
+//!
+//! The header is never trusted: the caller's own index (a [`FlashSlot`] and the page's
+//! [`PageId`]) says what a slot must hold, a header that disagrees is [`FlashError::DataLoss`], and
+//! the GCM tag binds the ciphertext to the page, the slot's nonce `(flash, first block, counter)` and
+//! the length. A slot's counter comes from [`SlotCounters`] keyed by its first block, so no nonce
+//! repeats under any key while the file is open (keys never outlive the daemon).
+//!
+//! Accounting: `used` is the sum of the extents of the live slots; a failed write returns its
+//! extents at once (their counters stay spent).
+
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustix::fs::{FallocateFlags, Mode, OFlags};
+
+use crate::extent::ExtentAllocator;
+use crate::io::{AlignedBuf, IO_ALIGN, IoBuffers, IoEngine, IoError, IoRequest, run_all};
+use crate::seal::{PageAad, SealError, SealNonce, SessionKey, SlotCounters, TAG_LEN, TIER_FLASH, open, seal};
+
+/// Bytes of a slot before the ciphertext.
+pub const RECORD_HEADER: usize = 64;
+/// The most bytes one coalesced request carries.
+pub const RUN_BYTES: usize = 1 << 20;
+/// Magic of a slot record.
+const MAGIC: [u8; 8] = *b"KVMMSLT1";
+/// Version of the record layout.
+const RECORD_VERSION: u8 = 1;
+/// The largest file a slot id (`u32` block index) can address.
+const MAX_CAPACITY: u64 = (u32::MAX as u64) * IO_ALIGN as u64;
+
+/// Which page a slot holds: the AAD's page fields.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PageId {
+    pub session: u64,
+    pub layer: u32,
+    pub block: u32,
+}
+
+/// Where and how a page was written: what the caller keeps to read it back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlashSlot {
+    /// Byte offset in the file (a multiple of 4096).
+    pub offset: u64,
+    /// Bytes the slot takes (a multiple of 4096).
+    pub extent: u64,
+    /// The write counter its nonce used.
+    pub counter: u64,
+    /// Plaintext length.
+    pub len: u32,
+}
+
+impl FlashSlot {
+    fn id(&self) -> u32 {
+        (self.offset / IO_ALIGN as u64) as u32
+    }
+}
+
+/// One page to write.
+#[derive(Debug)]
+pub struct PageWrite<'a> {
+    pub key: &'a SessionKey,
+    pub page: PageId,
+    pub bytes: &'a [u8],
+}
+
+/// One page to read back into `out` (exactly `slot.len` bytes).
+#[derive(Debug)]
+pub struct PageRead<'a> {
+    pub key: &'a SessionKey,
+    pub page: PageId,
+    pub slot: FlashSlot,
+    pub out: &'a mut [u8],
+}
+
+/// Counters of the flash file, for stats.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FlashStats {
+    /// The file's size: the flash budget.
+    pub capacity: u64,
+    /// Bytes of live slots.
+    pub used: u64,
+    /// Live slots.
+    pub pages: u64,
+    /// Pages written and read since start.
+    pub pages_written: u64,
+    pub pages_read: u64,
+    /// I/O requests issued (after coalescing) and their bytes.
+    pub write_requests: u64,
+    pub read_requests: u64,
+    pub bytes_written: u64,
+    pub bytes_read: u64,
+    /// Reads refused because the slot failed authentication or its header disagreed.
+    pub auth_failures: u64,
+    /// Pages whose I/O failed.
+    pub io_failures: u64,
+}
+
+/// Errors of the flash file.
+#[derive(Debug, thiserror::Error)]
+pub enum FlashError {
+    /// The file could not be created or sized.
+    #[error("could not create the flash file {path}: {what}")]
+    Create { path: PathBuf, what: String },
+    /// No free extent is large enough.
+    #[error(
+        "the flash tier is full: a page needs {need} bytes and {free} of {capacity} are free; raise the flash budget"
+    )]
+    Full { need: u64, free: u64, capacity: u64 },
+    /// The slot's bytes are not the page's: changed, swapped or replayed. Nothing was returned.
+    #[error(
+        "page {block} of layer {layer} of session {session} on flash failed authentication ({why}); its data is lost and was not returned"
+    )]
+    DataLoss { session: u64, layer: u32, block: u32, why: &'static str },
+    /// The transfer failed.
+    #[error(transparent)]
+    Io(#[from] IoError),
+    /// Sealing refused (a spent slot, a page too long).
+    #[error(transparent)]
+    Seal(#[from] SealError),
+    /// The caller's request does not fit the slot.
+    #[error("the read buffer holds {got} bytes but the slot holds a {len}-byte page")]
+    BufferLength { got: usize, len: u32 },
+}
+
+/// The flash file; see the module doc.
+#[derive(Debug)]
+pub struct FlashFile {
+    /// The file, O_DIRECT when `direct`.
+    file: File,
+    /// Where it lives.
+    path: PathBuf,
+    /// Whether O_DIRECT is in effect (false on filesystems that refuse it; `fallback` says why).
+    direct: bool,
+    /// Why the file runs without O_DIRECT or preallocation, if it does.
+    fallback: Option<String>,
+    /// Carries the I/O.
+    engine: Arc<dyn IoEngine>,
+    /// Staging chunks (registered with the engine when it is io_uring), if given.
+    buffers: Option<Arc<IoBuffers>>,
+    /// Free space, in 4 KiB blocks.
+    slots: ExtentAllocator,
+    /// Write counters per first block.
+    counters: SlotCounters,
+    /// Counters for stats.
+    stats: FlashStats,
+}
+
+impl FlashFile {
+    /// Creates (or truncates) the file at `path`, preallocated to `capacity` bytes (rounded down to
+    /// 4096), mode 0600, opened with O_DIRECT where the filesystem allows it.
+    pub fn create(
+        path: &Path,
+        capacity: u64,
+        engine: Arc<dyn IoEngine>,
+        buffers: Option<Arc<IoBuffers>>,
+    ) -> Result<FlashFile, FlashError> {
+        let capacity = capacity / IO_ALIGN as u64 * IO_ALIGN as u64;
+        let fail = |what: String| FlashError::Create { path: path.to_owned(), what };
+        if capacity == 0 || capacity > MAX_CAPACITY {
+            return Err(fail(format!("the flash budget must be between 4 KiB and {MAX_CAPACITY} bytes")));
+        }
+        let flags = OFlags::RDWR | OFlags::CREATE | OFlags::TRUNC | OFlags::CLOEXEC;
+        let mode = Mode::from_raw_mode(0o600);
+        let mut fallback = Vec::new();
+        let (fd, direct): (OwnedFd, bool) = match rustix::fs::open(path, flags | OFlags::DIRECT, mode) {
+            Ok(fd) => (fd, true),
+            Err(rustix::io::Errno::INVAL) => {
+                fallback.push("the filesystem refuses O_DIRECT, so pages go through the page cache".to_owned());
+                (rustix::fs::open(path, flags, mode).map_err(|e| fail(e.to_string()))?, false)
+            }
+            Err(e) => return Err(fail(e.to_string())),
+        };
+        match rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, capacity) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::NOSPC) => {
+                return Err(fail(format!("{capacity} bytes do not fit on its filesystem; lower the flash budget")));
+            }
+            Err(rustix::io::Errno::OPNOTSUPP) => {
+                fallback.push("the filesystem cannot preallocate, so the file is sparse".to_owned());
+                rustix::fs::ftruncate(&fd, capacity).map_err(|e| fail(e.to_string()))?;
+            }
+            Err(e) => return Err(fail(e.to_string())),
+        }
+        let fallback = (!fallback.is_empty()).then(|| fallback.join("; "));
+        if let Some(reason) = &fallback {
+            tracing::warn!(path = %path.display(), %reason, "flash file degraded");
+        }
+        let blocks = (capacity / IO_ALIGN as u64) as u32;
+        Ok(FlashFile {
+            file: File::from(fd),
+            path: path.to_owned(),
+            direct,
+            fallback,
+            engine,
+            buffers,
+            slots: ExtentAllocator::with_align(capacity, IO_ALIGN as u64),
+            counters: SlotCounters::new(TIER_FLASH, blocks),
+            stats: FlashStats { capacity, ..FlashStats::default() },
+        })
+    }
+
+    /// Where the file lives.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether O_DIRECT is in effect.
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Why the file runs without O_DIRECT or preallocation, if it does.
+    pub fn fallback(&self) -> Option<&str> {
+        self.fallback.as_deref()
+    }
+
+    /// The engine's kind, for stats.
+    pub fn engine(&self) -> &Arc<dyn IoEngine> {
+        &self.engine
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> FlashStats {
+        FlashStats { used: self.slots.used(), ..self.stats }
+    }
+
+    /// Bytes a slot for a page of `len` bytes takes.
+    pub fn extent_for(len: usize) -> u64 {
+        ((RECORD_HEADER + len) as u64).div_ceil(IO_ALIGN as u64) * IO_ALIGN as u64
+    }
+
+    /// Seals and writes `pages`; one result per page, in order. Pages get adjacent slots where the
+    /// free space allows, adjacent slots go out as one request, and all requests of the call are
+    /// submitted as one batch. A page whose write fails holds no slot afterwards.
+    pub fn write(&mut self, pages: &[PageWrite<'_>]) -> Vec<Result<FlashSlot, FlashError>> {
+        let mut results: Vec<Option<Result<FlashSlot, FlashError>>> = (0..pages.len()).map(|_| None).collect();
+        let runs = self.allocate_runs(pages, &mut results);
+        // Seal each run's pages into its staging buffer.
+        let mut staged: Vec<(Run, Staging)> = Vec::with_capacity(runs.len());
+        let mut spare: Vec<(u64, u64)> = Vec::new();
+        for run in runs {
+            let mut staging = match self.staging(run.bytes as usize) {
+                Ok(s) => s,
+                Err(e) => {
+                    self.slots.free(run.offset, run.bytes);
+                    for p in run.pages.clone() {
+                        results[p] = Some(Err(FlashError::Io(e.clone())));
+                    }
+                    continue;
+                }
+            };
+            let mut at = 0usize;
+            for p in run.pages.clone() {
+                let page = &pages[p];
+                let extent = Self::extent_for(page.bytes.len());
+                let offset = run.offset + at as u64;
+                let record = &mut staging[at..at + extent as usize];
+                match self.seal_record(page, offset, record) {
+                    Ok(slot) => results[p] = Some(Ok(slot)),
+                    Err(e) => {
+                        record.fill(0);
+                        // A spent slot stays allocated (retired); any other refusal frees it after the I/O.
+                        if !matches!(e, SealError::SlotExhausted { .. }) {
+                            spare.push((offset, extent));
+                        }
+                        results[p] = Some(Err(FlashError::Seal(e)));
+                    }
+                }
+                at += extent as usize;
+            }
+            staged.push((run, staging));
+        }
+        let outcomes = {
+            let mut requests: Vec<IoRequest<'_>> = staged
+                .iter()
+                .map(|(run, staging)| IoRequest::Write { offset: run.offset, buf: &staging[..run.bytes as usize] })
+                .collect();
+            run_all(self.engine.as_ref(), self.file.as_fd(), &mut requests)
+        };
+        for ((run, _), outcome) in staged.iter().zip(outcomes) {
+            self.stats.write_requests += 1;
+            for p in run.pages.clone() {
+                let Some(Ok(slot)) = &results[p] else { continue };
+                match &outcome {
+                    Ok(()) => {
+                        self.stats.bytes_written += slot.extent;
+                        self.stats.pages_written += 1;
+                        self.stats.pages += 1;
+                    }
+                    Err(e) => {
+                        self.slots.free(slot.offset, slot.extent);
+                        self.stats.io_failures += 1;
+                        results[p] = Some(Err(FlashError::Io(e.clone())));
+                    }
+                }
+            }
+        }
+        for (offset, extent) in spare {
+            self.slots.free(offset, extent);
+        }
+        results.into_iter().map(|r| r.expect("every page gets a result above")).collect()
+    }
+
+    /// Groups consecutive pages into runs of at most [`RUN_BYTES`] (a larger page alone) and gives
+    /// each run one extent, or each page its own when the free space is fragmented; pages that find
+    /// no room get [`FlashError::Full`] in `results`.
+    fn allocate_runs(
+        &mut self,
+        pages: &[PageWrite<'_>],
+        results: &mut [Option<Result<FlashSlot, FlashError>>],
+    ) -> Vec<Run> {
+        let mut runs = Vec::new();
+        let mut first = 0;
+        while first < pages.len() {
+            let (mut end, mut bytes) = (first, 0u64);
+            while end < pages.len() {
+                let need = Self::extent_for(pages[end].bytes.len());
+                if end > first && bytes + need > RUN_BYTES as u64 {
+                    break;
+                }
+                bytes += need;
+                end += 1;
+            }
+            if let Some(offset) = self.slots.alloc(bytes) {
+                runs.push(Run { pages: first..end, offset, bytes });
+            } else {
+                for p in first..end {
+                    let need = Self::extent_for(pages[p].bytes.len());
+                    match self.slots.alloc(need) {
+                        Some(offset) => runs.push(Run { pages: p..p + 1, offset, bytes: need }),
+                        None => results[p] = Some(Err(self.full(need))),
+                    }
+                }
+            }
+            first = end;
+        }
+        runs
+    }
+
+    fn full(&self, need: u64) -> FlashError {
+        FlashError::Full { need, free: self.slots.capacity() - self.slots.used(), capacity: self.slots.capacity() }
+    }
+
+    /// A staging buffer of at least `len` bytes: a leased chunk when one is free and large enough.
+    fn staging(&self, len: usize) -> Result<Staging, IoError> {
+        if let Some(buffers) = &self.buffers
+            && len <= buffers.chunk_len()
+            && let Some(chunk) = buffers.lease()
+        {
+            return Ok(Staging::Leased(chunk));
+        }
+        AlignedBuf::zeroed(len.next_multiple_of(IO_ALIGN)).map(Staging::Owned)
+    }
+
+    /// Writes the record of `page` (header, ciphertext, zero padding) into `record`, the slot's
+    /// bytes at `offset`, with the slot's next nonce.
+    fn seal_record(&mut self, page: &PageWrite<'_>, offset: u64, record: &mut [u8]) -> Result<FlashSlot, SealError> {
+        let len = u32::try_from(page.bytes.len()).map_err(|_| SealError::TooLong { len: page.bytes.len() })?;
+        let id = (offset / IO_ALIGN as u64) as u32;
+        let nonce = self.counters.next(id)?;
+        let slot = FlashSlot { offset, extent: record.len() as u64, counter: nonce.counter(), len };
+        let aad = aad_of(page.page, &slot);
+        let (header, body) = record.split_at_mut(RECORD_HEADER);
+        let (cipher, pad) = body.split_at_mut(page.bytes.len());
+        cipher.copy_from_slice(page.bytes);
+        pad.fill(0);
+        let tag = seal(page.key, nonce, &aad, cipher)?;
+        Header { len, counter: slot.counter, page: page.page, tag }.encode(header);
+        Ok(slot)
+    }
+
+    /// Reads, authenticates and opens pages into their `out` buffers; one result per page, in order.
+    /// Adjacent slots are read with one request, all requests as one batch. A page that fails
+    /// authentication has its `out` zeroed and reports [`FlashError::DataLoss`].
+    pub fn read(&mut self, reads: &mut [PageRead<'_>]) -> Vec<Result<(), FlashError>> {
+        let mut results: Vec<Option<Result<(), FlashError>>> = reads
+            .iter()
+            .map(|r| {
+                (r.out.len() != r.slot.len as usize)
+                    .then_some(Err(FlashError::BufferLength { got: r.out.len(), len: r.slot.len }))
+            })
+            .collect();
+        let mut order: Vec<usize> = (0..reads.len()).filter(|&i| results[i].is_none()).collect();
+        order.sort_by_key(|&i| reads[i].slot.offset);
+        let mut runs: Vec<(Vec<usize>, u64, u64)> = Vec::new();
+        for i in order {
+            let slot = reads[i].slot;
+            match runs.last_mut() {
+                Some((members, offset, bytes))
+                    if *offset + *bytes == slot.offset && *bytes + slot.extent <= RUN_BYTES as u64 =>
+                {
+                    members.push(i);
+                    *bytes += slot.extent;
+                }
+                _ => runs.push((vec![i], slot.offset, slot.extent)),
+            }
+        }
+        let mut staged: Vec<(Vec<usize>, u64, u64, Staging)> = Vec::with_capacity(runs.len());
+        for (members, offset, bytes) in runs {
+            match self.staging(bytes as usize) {
+                Ok(staging) => staged.push((members, offset, bytes, staging)),
+                Err(e) => {
+                    for i in members {
+                        results[i] = Some(Err(FlashError::Io(e.clone())));
+                    }
+                }
+            }
+        }
+        let outcomes = {
+            let mut requests: Vec<IoRequest<'_>> = staged
+                .iter_mut()
+                .map(|(_, offset, bytes, staging)| IoRequest::Read {
+                    offset: *offset,
+                    buf: &mut staging[..*bytes as usize],
+                })
+                .collect();
+            run_all(self.engine.as_ref(), self.file.as_fd(), &mut requests)
+        };
+        for ((members, offset, bytes, staging), outcome) in staged.iter().zip(outcomes) {
+            self.stats.read_requests += 1;
+            if let Err(e) = outcome {
+                self.stats.io_failures += members.len() as u64;
+                for &i in members {
+                    results[i] = Some(Err(FlashError::Io(e.clone())));
+                }
+                continue;
+            }
+            self.stats.bytes_read += bytes;
+            for &i in members {
+                let read = &mut reads[i];
+                let at = (read.slot.offset - offset) as usize;
+                let record = &staging[at..at + read.slot.extent as usize];
+                let opened = open_record(read, record);
+                match opened {
+                    Ok(()) => self.stats.pages_read += 1,
+                    Err(_) => self.stats.auth_failures += 1,
+                }
+                results[i] = Some(opened);
+            }
+        }
+        results.into_iter().map(|r| r.expect("every read gets a result above")).collect()
+    }
+
+    /// Returns a page's slot to the free space (its counter stays spent).
+    pub fn free(&mut self, slot: FlashSlot) {
+        self.slots.free(slot.offset, slot.extent);
+        self.stats.pages = self.stats.pages.saturating_sub(1);
+    }
+
+    /// Frees a slot and punches its blocks out of the file, so the sealed bytes are gone from the
+    /// device too (the file keeps its size).
+    pub fn discard(&mut self, slot: FlashSlot) -> Result<(), FlashError> {
+        self.free(slot);
+        rustix::fs::fallocate(
+            &self.file,
+            FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+            slot.offset,
+            slot.extent,
+        )
+        .map_err(|e| {
+            FlashError::Io(IoError::Os {
+                verb: "hole punch",
+                offset: slot.offset,
+                len: slot.extent as usize,
+                source: e.into(),
+            })
+        })
+    }
+}
+
+/// Consecutive pages of one `write` call sharing one extent and one request.
+#[derive(Debug)]
+struct Run {
+    pages: std::ops::Range<usize>,
+    offset: u64,
+    bytes: u64,
+}
+
+/// A staging buffer: a leased (possibly registered) chunk or an owned block.
+#[derive(Debug)]
+enum Staging {
+    Leased(crate::io::IoBuffer),
+    Owned(AlignedBuf),
+}
+
+impl std::ops::Deref for Staging {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Staging::Leased(b) => b,
+            Staging::Owned(b) => b,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Staging {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            Staging::Leased(b) => b,
+            Staging::Owned(b) => b,
+        }
+    }
+}
+
+fn aad_of(page: PageId, slot: &FlashSlot) -> PageAad {
+    PageAad {
+        session: page.session,
+        layer: page.layer,
+        block: page.block,
+        tier: TIER_FLASH,
+        counter: slot.counter,
+        len: slot.len,
+    }
+}
+
+/// Checks `record` (a slot's bytes) against what the caller's index says it holds and opens it into
+/// `read.out`.
+fn open_record(read: &mut PageRead<'_>, record: &[u8]) -> Result<(), FlashError> {
+    let page = read.page;
+    let loss = |why| FlashError::DataLoss { session: page.session, layer: page.layer, block: page.block, why };
+    let Some(header) = Header::decode(&record[..RECORD_HEADER]) else {
+        read.out.fill(0);
+        return Err(loss("the slot holds no record"));
+    };
+    if header.len != read.slot.len || header.counter != read.slot.counter || header.page != page {
+        read.out.fill(0);
+        return Err(loss("the slot's record names another page or write"));
+    }
+    read.out.copy_from_slice(&record[RECORD_HEADER..RECORD_HEADER + read.slot.len as usize]);
+    let nonce = SealNonce::new(TIER_FLASH, read.slot.id(), read.slot.counter)?;
+    open(read.key, nonce, &aad_of(page, &read.slot), read.out, header.tag).map_err(|e| match e {
+        SealError::Tag { .. } => loss("the authentication tag does not match"),
+        other => FlashError::Seal(other),
+    })
+}
+
+/// The record header (module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Header {
+    len: u32,
+    counter: u64,
+    page: PageId,
+    tag: [u8; TAG_LEN],
+}
+
+impl Header {
+    fn encode(&self, out: &mut [u8]) {
+        out[..RECORD_HEADER].fill(0);
+        out[0..8].copy_from_slice(&MAGIC);
+        out[8] = RECORD_VERSION;
+        out[12..16].copy_from_slice(&self.len.to_le_bytes());
+        out[16..24].copy_from_slice(&self.counter.to_le_bytes());
+        out[24..32].copy_from_slice(&self.page.session.to_le_bytes());
+        out[32..36].copy_from_slice(&self.page.layer.to_le_bytes());
+        out[36..40].copy_from_slice(&self.page.block.to_le_bytes());
+        out[48..64].copy_from_slice(&self.tag);
+    }
+
+    /// The header in `bytes` (at least 64), or `None` when the magic or version is wrong.
+    fn decode(bytes: &[u8]) -> Option<Header> {
+        if bytes.len() < RECORD_HEADER || bytes[0..8] != MAGIC || bytes[8] != RECORD_VERSION {
+            return None;
+        }
+        let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
+        let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+        Some(Header {
+            len: u32_at(12),
+            counter: u64_at(16),
+            page: PageId { session: u64_at(24), layer: u32_at(32), block: u32_at(36) },
+            tag: bytes[48..64].try_into().expect("16 bytes"),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;
