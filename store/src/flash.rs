@@ -16,7 +16,7 @@
 //! ```
 //!
 //! The header is never trusted: the caller's own index (a [`FlashSlot`] and the page's
-//! [`PageId`]) says what a slot must hold, a header that disagrees is [`FlashError::DataLoss`], and
+//! [`PageId`]) says what a slot must hold, a header that disagrees is [`TierError::DataLoss`], and
 //! the GCM tag binds the ciphertext to the page, the slot's nonce `(flash, first block, counter)` and
 //! the length. A slot's counter comes from [`SlotCounters`] keyed by its first block, so no nonce
 //! repeats under any key while the file is open (keys never outlive the daemon).
@@ -33,7 +33,8 @@ use rustix::fs::{FallocateFlags, Mode, OFlags};
 
 use crate::extent::ExtentAllocator;
 use crate::io::{AlignedBuf, IO_ALIGN, IoBuffers, IoEngine, IoError, IoRequest, run_all};
-use crate::seal::{PageAad, SealError, SealNonce, SessionKey, SlotCounters, TAG_LEN, TIER_FLASH, open, seal};
+use crate::seal::{PageAad, SealError, SealNonce, SlotCounters, TAG_LEN, TIER_FLASH, open, seal};
+use crate::tier::{PageId, PageRead, PageWrite, Tier, TierError, TierKind, TierStats};
 
 /// Bytes of a slot before the ciphertext.
 pub const RECORD_HEADER: usize = 64;
@@ -45,14 +46,6 @@ const MAGIC: [u8; 8] = *b"KVMMSLT1";
 const RECORD_VERSION: u8 = 1;
 /// The largest file a slot id (`u32` block index) can address.
 const MAX_CAPACITY: u64 = (u32::MAX as u64) * IO_ALIGN as u64;
-
-/// Which page a slot holds: the AAD's page fields.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct PageId {
-    pub session: u64,
-    pub layer: u32,
-    pub block: u32,
-}
 
 /// Where and how a page was written: what the caller keeps to read it back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,73 +64,6 @@ impl FlashSlot {
     fn id(&self) -> u32 {
         (self.offset / IO_ALIGN as u64) as u32
     }
-}
-
-/// One page to write.
-#[derive(Debug)]
-pub struct PageWrite<'a> {
-    pub key: &'a SessionKey,
-    pub page: PageId,
-    pub bytes: &'a [u8],
-}
-
-/// One page to read back into `out` (exactly `slot.len` bytes).
-#[derive(Debug)]
-pub struct PageRead<'a> {
-    pub key: &'a SessionKey,
-    pub page: PageId,
-    pub slot: FlashSlot,
-    pub out: &'a mut [u8],
-}
-
-/// Counters of the flash file, for stats.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct FlashStats {
-    /// The file's size: the flash budget.
-    pub capacity: u64,
-    /// Bytes of live slots.
-    pub used: u64,
-    /// Live slots.
-    pub pages: u64,
-    /// Pages written and read since start.
-    pub pages_written: u64,
-    pub pages_read: u64,
-    /// I/O requests issued (after coalescing) and their bytes.
-    pub write_requests: u64,
-    pub read_requests: u64,
-    pub bytes_written: u64,
-    pub bytes_read: u64,
-    /// Reads refused because the slot failed authentication or its header disagreed.
-    pub auth_failures: u64,
-    /// Pages whose I/O failed.
-    pub io_failures: u64,
-}
-
-/// Errors of the flash file.
-#[derive(Debug, thiserror::Error)]
-pub enum FlashError {
-    /// The file could not be created or sized.
-    #[error("could not create the flash file {path}: {what}")]
-    Create { path: PathBuf, what: String },
-    /// No free extent is large enough.
-    #[error(
-        "the flash tier is full: a page needs {need} bytes and {free} of {capacity} are free; raise the flash budget"
-    )]
-    Full { need: u64, free: u64, capacity: u64 },
-    /// The slot's bytes are not the page's: changed, swapped or replayed. Nothing was returned.
-    #[error(
-        "page {block} of layer {layer} of session {session} on flash failed authentication ({why}); its data is lost and was not returned"
-    )]
-    DataLoss { session: u64, layer: u32, block: u32, why: &'static str },
-    /// The transfer failed.
-    #[error(transparent)]
-    Io(#[from] IoError),
-    /// Sealing refused (a spent slot, a page too long).
-    #[error(transparent)]
-    Seal(#[from] SealError),
-    /// The caller's request does not fit the slot.
-    #[error("the read buffer holds {got} bytes but the slot holds a {len}-byte page")]
-    BufferLength { got: usize, len: u32 },
 }
 
 /// The flash file; see the module doc.
@@ -160,7 +86,7 @@ pub struct FlashFile {
     /// Write counters per first block.
     counters: SlotCounters,
     /// Counters for stats.
-    stats: FlashStats,
+    stats: TierStats,
 }
 
 impl FlashFile {
@@ -171,9 +97,9 @@ impl FlashFile {
         capacity: u64,
         engine: Arc<dyn IoEngine>,
         buffers: Option<Arc<IoBuffers>>,
-    ) -> Result<FlashFile, FlashError> {
+    ) -> Result<FlashFile, TierError> {
         let capacity = capacity / IO_ALIGN as u64 * IO_ALIGN as u64;
-        let fail = |what: String| FlashError::Create { path: path.to_owned(), what };
+        let fail = |what: String| TierError::Create { tier: TierKind::Flash, at: path.display().to_string(), what };
         if capacity == 0 || capacity > MAX_CAPACITY {
             return Err(fail(format!("the flash budget must be between 4 KiB and {MAX_CAPACITY} bytes")));
         }
@@ -213,7 +139,7 @@ impl FlashFile {
             buffers,
             slots: ExtentAllocator::with_align(capacity, IO_ALIGN as u64),
             counters: SlotCounters::new(TIER_FLASH, blocks),
-            stats: FlashStats { capacity, ..FlashStats::default() },
+            stats: TierStats { budget: capacity, ..TierStats::default() },
         })
     }
 
@@ -237,21 +163,15 @@ impl FlashFile {
         &self.engine
     }
 
-    /// Counters.
-    pub fn stats(&self) -> FlashStats {
-        FlashStats { used: self.slots.used(), ..self.stats }
-    }
-
     /// Bytes a slot for a page of `len` bytes takes.
     pub fn extent_for(len: usize) -> u64 {
         ((RECORD_HEADER + len) as u64).div_ceil(IO_ALIGN as u64) * IO_ALIGN as u64
     }
 
-    /// Seals and writes `pages`; one result per page, in order. Pages get adjacent slots where the
-    /// free space allows, adjacent slots go out as one request, and all requests of the call are
-    /// submitted as one batch. A page whose write fails holds no slot afterwards.
-    pub fn write(&mut self, pages: &[PageWrite<'_>]) -> Vec<Result<FlashSlot, FlashError>> {
-        let mut results: Vec<Option<Result<FlashSlot, FlashError>>> = (0..pages.len()).map(|_| None).collect();
+    /// [`Tier::put`]: pages get adjacent slots where the free space allows, adjacent slots go out as
+    /// one request, and all requests of the call are submitted as one batch.
+    fn write(&mut self, pages: &[PageWrite<'_>]) -> Vec<Result<FlashSlot, TierError>> {
+        let mut results: Vec<Option<Result<FlashSlot, TierError>>> = (0..pages.len()).map(|_| None).collect();
         let runs = self.allocate_runs(pages, &mut results);
         // Seal each run's pages into its staging buffer.
         let mut staged: Vec<(Run, Staging)> = Vec::with_capacity(runs.len());
@@ -262,7 +182,7 @@ impl FlashFile {
                 Err(e) => {
                     self.slots.free(run.offset, run.bytes);
                     for p in run.pages.clone() {
-                        results[p] = Some(Err(FlashError::Io(e.clone())));
+                        results[p] = Some(Err(TierError::Io(e.clone())));
                     }
                     continue;
                 }
@@ -278,10 +198,10 @@ impl FlashFile {
                     Err(e) => {
                         record.fill(0);
                         // A spent slot stays allocated (retired); any other refusal frees it after the I/O.
-                        if !matches!(e, SealError::SlotExhausted { .. }) {
+                        if !matches!(e, TierError::Seal(SealError::SlotExhausted { .. })) {
                             spare.push((offset, extent));
                         }
-                        results[p] = Some(Err(FlashError::Seal(e)));
+                        results[p] = Some(Err(e));
                     }
                 }
                 at += extent as usize;
@@ -301,14 +221,14 @@ impl FlashFile {
                 let Some(Ok(slot)) = &results[p] else { continue };
                 match &outcome {
                     Ok(()) => {
-                        self.stats.bytes_written += slot.extent;
-                        self.stats.pages_written += 1;
+                        self.stats.bytes_in += u64::from(slot.len);
+                        self.stats.pages_in += 1;
                         self.stats.pages += 1;
                     }
                     Err(e) => {
                         self.slots.free(slot.offset, slot.extent);
                         self.stats.io_failures += 1;
-                        results[p] = Some(Err(FlashError::Io(e.clone())));
+                        results[p] = Some(Err(TierError::Io(e.clone())));
                     }
                 }
             }
@@ -321,11 +241,11 @@ impl FlashFile {
 
     /// Groups consecutive pages into runs of at most [`RUN_BYTES`] (a larger page alone) and gives
     /// each run one extent, or each page its own when the free space is fragmented; pages that find
-    /// no room get [`FlashError::Full`] in `results`.
+    /// no room get [`TierError::Full`] in `results`.
     fn allocate_runs(
         &mut self,
         pages: &[PageWrite<'_>],
-        results: &mut [Option<Result<FlashSlot, FlashError>>],
+        results: &mut [Option<Result<FlashSlot, TierError>>],
     ) -> Vec<Run> {
         let mut runs = Vec::new();
         let mut first = 0;
@@ -355,8 +275,13 @@ impl FlashFile {
         runs
     }
 
-    fn full(&self, need: u64) -> FlashError {
-        FlashError::Full { need, free: self.slots.capacity() - self.slots.used(), capacity: self.slots.capacity() }
+    fn full(&self, need: u64) -> TierError {
+        TierError::Full {
+            tier: TierKind::Flash,
+            need,
+            free: self.slots.capacity() - self.slots.used(),
+            budget: self.slots.capacity(),
+        }
     }
 
     /// A staging buffer of at least `len` bytes: a leased chunk when one is free and large enough.
@@ -372,7 +297,14 @@ impl FlashFile {
 
     /// Writes the record of `page` (header, ciphertext, zero padding) into `record`, the slot's
     /// bytes at `offset`, with the slot's next nonce.
-    fn seal_record(&mut self, page: &PageWrite<'_>, offset: u64, record: &mut [u8]) -> Result<FlashSlot, SealError> {
+    fn seal_record(&mut self, page: &PageWrite<'_>, offset: u64, record: &mut [u8]) -> Result<FlashSlot, TierError> {
+        let p = page.page;
+        let key = page.key.ok_or(TierError::NoKey {
+            tier: TierKind::Flash,
+            session: p.session,
+            layer: p.layer,
+            block: p.block,
+        })?;
         let len = u32::try_from(page.bytes.len()).map_err(|_| SealError::TooLong { len: page.bytes.len() })?;
         let id = (offset / IO_ALIGN as u64) as u32;
         let nonce = self.counters.next(id)?;
@@ -382,20 +314,18 @@ impl FlashFile {
         let (cipher, pad) = body.split_at_mut(page.bytes.len());
         cipher.copy_from_slice(page.bytes);
         pad.fill(0);
-        let tag = seal(page.key, nonce, &aad, cipher)?;
+        let tag = seal(key, nonce, &aad, cipher)?;
         Header { len, counter: slot.counter, page: page.page, tag }.encode(header);
         Ok(slot)
     }
 
-    /// Reads, authenticates and opens pages into their `out` buffers; one result per page, in order.
-    /// Adjacent slots are read with one request, all requests as one batch. A page that fails
-    /// authentication has its `out` zeroed and reports [`FlashError::DataLoss`].
-    pub fn read(&mut self, reads: &mut [PageRead<'_>]) -> Vec<Result<(), FlashError>> {
-        let mut results: Vec<Option<Result<(), FlashError>>> = reads
+    /// [`Tier::get`]: adjacent slots are read with one request, all requests as one batch.
+    fn read(&mut self, reads: &mut [PageRead<'_, FlashSlot>]) -> Vec<Result<(), TierError>> {
+        let mut results: Vec<Option<Result<(), TierError>>> = reads
             .iter()
             .map(|r| {
                 (r.out.len() != r.slot.len as usize)
-                    .then_some(Err(FlashError::BufferLength { got: r.out.len(), len: r.slot.len }))
+                    .then_some(Err(TierError::BufferLength { got: r.out.len(), len: r.slot.len }))
             })
             .collect();
         let mut order: Vec<usize> = (0..reads.len()).filter(|&i| results[i].is_none()).collect();
@@ -419,7 +349,7 @@ impl FlashFile {
                 Ok(staging) => staged.push((members, offset, bytes, staging)),
                 Err(e) => {
                     for i in members {
-                        results[i] = Some(Err(FlashError::Io(e.clone())));
+                        results[i] = Some(Err(TierError::Io(e.clone())));
                     }
                 }
             }
@@ -434,23 +364,25 @@ impl FlashFile {
                 .collect();
             run_all(self.engine.as_ref(), self.file.as_fd(), &mut requests)
         };
-        for ((members, offset, bytes, staging), outcome) in staged.iter().zip(outcomes) {
+        for ((members, offset, _, staging), outcome) in staged.iter().zip(outcomes) {
             self.stats.read_requests += 1;
             if let Err(e) = outcome {
                 self.stats.io_failures += members.len() as u64;
                 for &i in members {
-                    results[i] = Some(Err(FlashError::Io(e.clone())));
+                    results[i] = Some(Err(TierError::Io(e.clone())));
                 }
                 continue;
             }
-            self.stats.bytes_read += bytes;
             for &i in members {
                 let read = &mut reads[i];
                 let at = (read.slot.offset - offset) as usize;
                 let record = &staging[at..at + read.slot.extent as usize];
                 let opened = open_record(read, record);
                 match opened {
-                    Ok(()) => self.stats.pages_read += 1,
+                    Ok(()) => {
+                        self.stats.pages_out += 1;
+                        self.stats.bytes_out += u64::from(read.slot.len);
+                    }
                     Err(_) => self.stats.auth_failures += 1,
                 }
                 results[i] = Some(opened);
@@ -458,16 +390,36 @@ impl FlashFile {
         }
         results.into_iter().map(|r| r.expect("every read gets a result above")).collect()
     }
+}
 
-    /// Returns a page's slot to the free space (its counter stays spent).
-    pub fn free(&mut self, slot: FlashSlot) {
+impl Tier for FlashFile {
+    type Slot = FlashSlot;
+
+    fn kind(&self) -> TierKind {
+        TierKind::Flash
+    }
+
+    fn stats(&self) -> TierStats {
+        TierStats { used: self.slots.used(), ..self.stats }
+    }
+
+    fn put(&mut self, pages: &[PageWrite<'_>]) -> Vec<Result<FlashSlot, TierError>> {
+        self.write(pages)
+    }
+
+    fn get(&mut self, reads: &mut [PageRead<'_, FlashSlot>]) -> Vec<Result<(), TierError>> {
+        self.read(reads)
+    }
+
+    /// Its counter stays spent.
+    fn free(&mut self, slot: FlashSlot) {
         self.slots.free(slot.offset, slot.extent);
         self.stats.pages = self.stats.pages.saturating_sub(1);
     }
 
-    /// Frees a slot and punches its blocks out of the file, so the sealed bytes are gone from the
-    /// device too (the file keeps its size).
-    pub fn discard(&mut self, slot: FlashSlot) -> Result<(), FlashError> {
+    /// Punches the slot's blocks out of the file, so the sealed bytes are gone from the device too
+    /// (the file keeps its size).
+    fn discard(&mut self, slot: FlashSlot) -> Result<(), TierError> {
         self.free(slot);
         rustix::fs::fallocate(
             &self.file,
@@ -476,7 +428,7 @@ impl FlashFile {
             slot.extent,
         )
         .map_err(|e| {
-            FlashError::Io(IoError::Os {
+            TierError::Io(IoError::Os {
                 verb: "hole punch",
                 offset: slot.offset,
                 len: slot.extent as usize,
@@ -533,9 +485,24 @@ fn aad_of(page: PageId, slot: &FlashSlot) -> PageAad {
 
 /// Checks `record` (a slot's bytes) against what the caller's index says it holds and opens it into
 /// `read.out`.
-fn open_record(read: &mut PageRead<'_>, record: &[u8]) -> Result<(), FlashError> {
+fn open_record(read: &mut PageRead<'_, FlashSlot>, record: &[u8]) -> Result<(), TierError> {
     let page = read.page;
-    let loss = |why| FlashError::DataLoss { session: page.session, layer: page.layer, block: page.block, why };
+    let loss = |why| TierError::DataLoss {
+        tier: TierKind::Flash,
+        session: page.session,
+        layer: page.layer,
+        block: page.block,
+        why,
+    };
+    let Some(key) = read.key else {
+        read.out.fill(0);
+        return Err(TierError::NoKey {
+            tier: TierKind::Flash,
+            session: page.session,
+            layer: page.layer,
+            block: page.block,
+        });
+    };
     let Some(header) = Header::decode(&record[..RECORD_HEADER]) else {
         read.out.fill(0);
         return Err(loss("the slot holds no record"));
@@ -546,9 +513,9 @@ fn open_record(read: &mut PageRead<'_>, record: &[u8]) -> Result<(), FlashError>
     }
     read.out.copy_from_slice(&record[RECORD_HEADER..RECORD_HEADER + read.slot.len as usize]);
     let nonce = SealNonce::new(TIER_FLASH, read.slot.id(), read.slot.counter)?;
-    open(read.key, nonce, &aad_of(page, &read.slot), read.out, header.tag).map_err(|e| match e {
+    open(key, nonce, &aad_of(page, &read.slot), read.out, header.tag).map_err(|e| match e {
         SealError::Tag { .. } => loss("the authentication tag does not match"),
-        other => FlashError::Seal(other),
+        other => TierError::Seal(other),
     })
 }
 

@@ -9,6 +9,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::io::{EngineChoice, Fault, FaultyEngine, SyncEngine, probe};
+use crate::seal::SessionKey;
 
 /// A SmolLM2 f16 page.
 const PAGE: usize = 25_408;
@@ -50,23 +51,19 @@ fn id(block: u32) -> PageId {
 
 fn write_all(file: &mut FlashFile, key: &SessionKey, pages: &[Vec<u8>]) -> Vec<FlashSlot> {
     let writes: Vec<PageWrite<'_>> =
-        pages.iter().enumerate().map(|(i, b)| PageWrite { key, page: id(i as u32), bytes: b }).collect();
-    file.write(&writes).into_iter().map(|r| r.unwrap()).collect()
+        pages.iter().enumerate().map(|(i, b)| PageWrite { key: Some(key), page: id(i as u32), bytes: b }).collect();
+    file.put(&writes).into_iter().map(|r| r.unwrap()).collect()
 }
 
-fn read_all(
-    file: &mut FlashFile,
-    key: &SessionKey,
-    slots: &[FlashSlot],
-) -> (Vec<Vec<u8>>, Vec<Result<(), FlashError>>) {
+fn read_all(file: &mut FlashFile, key: &SessionKey, slots: &[FlashSlot]) -> (Vec<Vec<u8>>, Vec<Result<(), TierError>>) {
     let mut outs: Vec<Vec<u8>> = slots.iter().map(|s| vec![0xee; s.len as usize]).collect();
-    let mut reads: Vec<PageRead<'_>> = outs
+    let mut reads: Vec<PageRead<'_, FlashSlot>> = outs
         .iter_mut()
         .zip(slots)
         .enumerate()
-        .map(|(i, (out, &slot))| PageRead { key, page: id(i as u32), slot, out })
+        .map(|(i, (out, &slot))| PageRead { key: Some(key), page: id(i as u32), slot, out })
         .collect();
-    let results = file.read(&mut reads);
+    let results = file.get(&mut reads);
     drop(reads);
     (outs, results)
 }
@@ -107,7 +104,7 @@ fn one_flipped_byte_is_data_loss_for_exactly_that_page() {
         let (outs, results) = read_all(&mut file, &key, &slots);
         for (i, r) in results.iter().enumerate() {
             if i == 2 {
-                assert!(matches!(r, Err(FlashError::DataLoss { block: 2, .. })), "{name}: {r:?}");
+                assert!(matches!(r, Err(TierError::DataLoss { block: 2, .. })), "{name}: {r:?}");
                 assert!(outs[2].iter().all(|&b| b == 0), "{name}: no bytes of a failed page are returned");
             } else {
                 assert!(r.is_ok(), "{name}: page {i}: {r:?}");
@@ -139,8 +136,7 @@ fn swapped_slots_are_data_loss_whether_headers_travel_or_not() {
     swap(0, 0);
     let (_, results) = read_all(&mut file, &key, &slots);
     assert!(
-        matches!(results[0], Err(FlashError::DataLoss { .. }))
-            && matches!(results[1], Err(FlashError::DataLoss { .. })),
+        matches!(results[0], Err(TierError::DataLoss { .. })) && matches!(results[1], Err(TierError::DataLoss { .. })),
         "{name}"
     );
     assert!(results[2].is_ok() && results[3].is_ok());
@@ -152,7 +148,7 @@ fn swapped_slots_are_data_loss_whether_headers_travel_or_not() {
     let (_, results) = read_all(&mut file, &key, &slots);
     for r in &results[..2] {
         match r {
-            Err(FlashError::DataLoss { why, .. }) => assert!(why.contains("tag"), "{why}"),
+            Err(TierError::DataLoss { why, .. }) => assert!(why.contains("tag"), "{why}"),
             other => panic!("expected a tag failure, got {other:?}"),
         }
     }
@@ -165,7 +161,7 @@ fn another_sessions_key_cannot_open_a_page() {
     let (key, other) = (SessionKey::generate().unwrap(), SessionKey::generate().unwrap());
     let slots = write_all(&mut file, &key, &[page_bytes(1, PAGE)]);
     let (_, results) = read_all(&mut file, &other, &slots);
-    assert!(matches!(results[0], Err(FlashError::DataLoss { .. })));
+    assert!(matches!(results[0], Err(TierError::DataLoss { .. })));
 }
 
 #[test]
@@ -190,18 +186,18 @@ fn a_full_file_refuses_the_page_and_keeps_exact_accounting() {
     let key = SessionKey::generate().unwrap();
     let pages: Vec<Vec<u8>> = (0..7).map(|i| page_bytes(i, PAGE)).collect();
     let writes: Vec<PageWrite<'_>> =
-        pages.iter().enumerate().map(|(i, b)| PageWrite { key: &key, page: id(i as u32), bytes: b }).collect();
-    let results = file.write(&writes);
+        pages.iter().enumerate().map(|(i, b)| PageWrite { key: Some(&key), page: id(i as u32), bytes: b }).collect();
+    let results = file.put(&writes);
     let ok: Vec<FlashSlot> = results.iter().filter_map(|r| r.as_ref().ok().copied()).collect();
     assert_eq!(ok.len(), 5, "{results:?}");
-    assert!(results[5..].iter().all(|r| matches!(r, Err(FlashError::Full { .. }))));
+    assert!(results[5..].iter().all(|r| matches!(r, Err(TierError::Full { .. }))));
     let message = results[6].as_ref().unwrap_err().to_string();
     assert!(message.contains("raise the flash budget"), "{message}");
     assert_eq!(file.stats().used, 5 * FlashFile::extent_for(PAGE));
     file.free(ok[1]);
     assert_eq!(file.stats().used, 4 * FlashFile::extent_for(PAGE));
     assert_eq!(file.stats().pages, 4);
-    let again = file.write(&writes[6..]);
+    let again = file.put(&writes[6..]);
     assert!(again[0].is_ok(), "a freed slot is reused");
 }
 
@@ -214,12 +210,15 @@ fn injected_io_faults_surface_per_page_and_leave_the_accounting_exact() {
         let pages: Vec<Vec<u8>> = (0..40).map(|i| page_bytes(i, PAGE)).collect();
         // ENOSPC on the first run's request: its pages fail and hold nothing; the second run lands.
         engine.arm(Fault::write_error(libc::ENOSPC, 1));
-        let writes: Vec<PageWrite<'_>> =
-            pages.iter().enumerate().map(|(i, b)| PageWrite { key: &key, page: id(i as u32), bytes: b }).collect();
-        let results = file.write(&writes);
+        let writes: Vec<PageWrite<'_>> = pages
+            .iter()
+            .enumerate()
+            .map(|(i, b)| PageWrite { key: Some(&key), page: id(i as u32), bytes: b })
+            .collect();
+        let results = file.put(&writes);
         let failed = results
             .iter()
-            .filter(|r| matches!(r, Err(FlashError::Io(e)) if e.raw_os_error() == Some(libc::ENOSPC)))
+            .filter(|r| matches!(r, Err(TierError::Io(e)) if e.raw_os_error() == Some(libc::ENOSPC)))
             .count();
         let landed: Vec<FlashSlot> = results.iter().filter_map(|r| r.as_ref().ok().copied()).collect();
         assert!(failed > 0 && failed + landed.len() == 40, "{name}: {failed} failed, {} landed", landed.len());
@@ -227,16 +226,16 @@ fn injected_io_faults_surface_per_page_and_leave_the_accounting_exact() {
         assert_eq!(file.stats().pages, landed.len() as u64);
         // Short writes and reads are resumed; EIO on a read fails that read only and a retry works.
         engine.arm(Fault::short_write(IO_ALIGN, 2));
-        let again = file.write(&writes[..3]);
+        let again = file.put(&writes[..3]);
         assert!(again.iter().all(Result::is_ok), "{name}: {again:?}");
         let slot = *again[1].as_ref().unwrap();
         engine.arm(Fault::read_error(libc::EIO, 1));
         let mut out = vec![0u8; PAGE];
-        let mut read = [PageRead { key: &key, page: id(1), slot, out: &mut out }];
-        let r = file.read(&mut read);
-        assert!(matches!(&r[0], Err(FlashError::Io(e)) if e.raw_os_error() == Some(libc::EIO)), "{name}: {r:?}");
+        let mut read = [PageRead { key: Some(&key), page: id(1), slot, out: &mut out }];
+        let r = file.get(&mut read);
+        assert!(matches!(&r[0], Err(TierError::Io(e)) if e.raw_os_error() == Some(libc::EIO)), "{name}: {r:?}");
         engine.arm(Fault::short_read(IO_ALIGN, 3));
-        let r = file.read(&mut read);
+        let r = file.get(&mut read);
         assert!(r[0].is_ok(), "{name}: {r:?}");
         assert_eq!(out, pages[1]);
     }
@@ -279,8 +278,8 @@ proptest! {
         for op in ops {
             match op {
                 Op::Write(n) => {
-                    let writes: Vec<PageWrite<'_>> = (0..n).map(|i| PageWrite { key: &key, page: id(i as u32), bytes: &page }).collect();
-                    for slot in file.write(&writes).into_iter().flatten() {
+                    let writes: Vec<PageWrite<'_>> = (0..n).map(|i| PageWrite { key: Some(&key), page: id(i as u32), bytes: &page }).collect();
+                    for slot in file.put(&writes).into_iter().flatten() {
                         prop_assert!(seen.insert((slot.id(), slot.counter)), "nonce reused: {:?}", slot);
                         live.push(slot);
                     }
