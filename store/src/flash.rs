@@ -28,6 +28,7 @@ use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::mpsc;
 
 use rustix::fs::{FallocateFlags, Mode, OFlags};
 
@@ -40,6 +41,9 @@ use crate::tier::{PageId, PageRead, PageWrite, Tier, TierError, TierKind, TierSt
 pub const RECORD_HEADER: usize = 64;
 /// The most bytes one coalesced request carries.
 pub const RUN_BYTES: usize = 1 << 20;
+/// Runs sealed ahead of the writer (or read ahead of the opener): bounds the staging memory of a
+/// call to about this many [`RUN_BYTES`].
+const PIPELINE_RUNS: usize = 4;
 /// Magic of a slot record.
 const MAGIC: [u8; 8] = *b"KVMMSLT1";
 /// Version of the record layout.
@@ -168,23 +172,25 @@ impl FlashFile {
         ((RECORD_HEADER + len) as u64).div_ceil(IO_ALIGN as u64) * IO_ALIGN as u64
     }
 
-    /// [`Tier::put`]: pages get adjacent slots where the free space allows, adjacent slots go out as
-    /// one request, and all requests of the call are submitted as one batch.
+    /// [`Tier::put`]: pages get adjacent slots where the free space allows and adjacent slots go out
+    /// as one request. With several runs, sealing and writing overlap: this thread seals run after
+    /// run while a second one writes what is sealed, each time in one submission of every run
+    /// waiting.
     fn write(&mut self, pages: &[PageWrite<'_>]) -> Vec<Result<FlashSlot, TierError>> {
         let mut results: Vec<Option<Result<FlashSlot, TierError>>> = (0..pages.len()).map(|_| None).collect();
         let runs = self.allocate_runs(pages, &mut results);
-        // Seal each run's pages into its staging buffer.
-        let mut staged: Vec<(Run, Staging)> = Vec::with_capacity(runs.len());
         let mut spare: Vec<(u64, u64)> = Vec::new();
-        for run in runs {
-            let mut staging = match self.staging(run.bytes as usize) {
+        let (engine, fd, buffers) = (self.engine.as_ref(), self.file.as_fd(), self.buffers.as_ref());
+        let counters = &mut self.counters;
+        // Seals one run into a staging buffer; `None` when no buffer could be had (its pages failed).
+        let mut seal_run = |run: &Run, results: &mut [Option<Result<FlashSlot, TierError>>]| -> Option<Staging> {
+            let mut staging = match staging(buffers, run.bytes as usize) {
                 Ok(s) => s,
                 Err(e) => {
-                    self.slots.free(run.offset, run.bytes);
                     for p in run.pages.clone() {
                         results[p] = Some(Err(TierError::Io(e.clone())));
                     }
-                    continue;
+                    return None;
                 }
             };
             let mut at = 0usize;
@@ -193,7 +199,7 @@ impl FlashFile {
                 let extent = Self::extent_for(page.bytes.len());
                 let offset = run.offset + at as u64;
                 let record = &mut staging[at..at + extent as usize];
-                match self.seal_record(page, offset, record) {
+                match seal_record(counters, page, offset, record) {
                     Ok(slot) => results[p] = Some(Ok(slot)),
                     Err(e) => {
                         record.fill(0);
@@ -206,16 +212,57 @@ impl FlashFile {
                 }
                 at += extent as usize;
             }
-            staged.push((run, staging));
-        }
-        let outcomes = {
-            let mut requests: Vec<IoRequest<'_>> = staged
-                .iter()
-                .map(|(run, staging)| IoRequest::Write { offset: run.offset, buf: &staging[..run.bytes as usize] })
-                .collect();
-            run_all(self.engine.as_ref(), self.file.as_fd(), &mut requests)
+            Some(staging)
         };
-        for ((run, _), outcome) in staged.iter().zip(outcomes) {
+        let write = |batch: &[(usize, Staging)]| -> Vec<Result<(), IoError>> {
+            let mut requests: Vec<IoRequest<'_>> = batch
+                .iter()
+                .map(|(k, staging)| IoRequest::Write {
+                    offset: runs[*k].offset,
+                    buf: &staging[..runs[*k].bytes as usize],
+                })
+                .collect();
+            run_all(engine, fd, &mut requests)
+        };
+        let mut outcomes: Vec<Option<Result<(), IoError>>> = (0..runs.len()).map(|_| None).collect();
+        if runs.len() <= 1 {
+            let staged: Vec<(usize, Staging)> =
+                runs.iter().enumerate().filter_map(|(k, run)| Some((k, seal_run(run, &mut results)?))).collect();
+            for ((k, _), outcome) in staged.iter().zip(write(&staged)) {
+                outcomes[*k] = Some(outcome);
+            }
+        } else {
+            std::thread::scope(|scope| {
+                let (sealed, queue) = mpsc::sync_channel::<(usize, Staging)>(PIPELINE_RUNS);
+                let writer = scope.spawn(move || {
+                    let mut done = Vec::new();
+                    while let Ok(first) = queue.recv() {
+                        let mut batch = vec![first];
+                        batch.extend(queue.try_iter());
+                        let outcome = write(&batch);
+                        done.extend(batch.iter().map(|(k, _)| *k).zip(outcome));
+                    }
+                    done
+                });
+                for (k, run) in runs.iter().enumerate() {
+                    if let Some(staging) = seal_run(run, &mut results)
+                        && sealed.send((k, staging)).is_err()
+                    {
+                        break;
+                    }
+                }
+                drop(sealed);
+                for (k, outcome) in writer.join().expect("the flash writer thread does not panic") {
+                    outcomes[k] = Some(outcome);
+                }
+            });
+        }
+        for (run, outcome) in runs.iter().zip(outcomes) {
+            let Some(outcome) = outcome else {
+                // Never sealed (no staging buffer): its pages already carry the error.
+                self.slots.free(run.offset, run.bytes);
+                continue;
+            };
             self.stats.write_requests += 1;
             for p in run.pages.clone() {
                 let Some(Ok(slot)) = &results[p] else { continue };
@@ -284,42 +331,9 @@ impl FlashFile {
         }
     }
 
-    /// A staging buffer of at least `len` bytes: a leased chunk when one is free and large enough.
-    fn staging(&self, len: usize) -> Result<Staging, IoError> {
-        if let Some(buffers) = &self.buffers
-            && len <= buffers.chunk_len()
-            && let Some(chunk) = buffers.lease()
-        {
-            return Ok(Staging::Leased(chunk));
-        }
-        AlignedBuf::zeroed(len.next_multiple_of(IO_ALIGN)).map(Staging::Owned)
-    }
-
-    /// Writes the record of `page` (header, ciphertext, zero padding) into `record`, the slot's
-    /// bytes at `offset`, with the slot's next nonce.
-    fn seal_record(&mut self, page: &PageWrite<'_>, offset: u64, record: &mut [u8]) -> Result<FlashSlot, TierError> {
-        let p = page.page;
-        let key = page.key.ok_or(TierError::NoKey {
-            tier: TierKind::Flash,
-            session: p.session,
-            layer: p.layer,
-            block: p.block,
-        })?;
-        let len = u32::try_from(page.bytes.len()).map_err(|_| SealError::TooLong { len: page.bytes.len() })?;
-        let id = (offset / IO_ALIGN as u64) as u32;
-        let nonce = self.counters.next(id)?;
-        let slot = FlashSlot { offset, extent: record.len() as u64, counter: nonce.counter(), len };
-        let aad = aad_of(page.page, &slot);
-        let (header, body) = record.split_at_mut(RECORD_HEADER);
-        let (cipher, pad) = body.split_at_mut(page.bytes.len());
-        cipher.copy_from_slice(page.bytes);
-        pad.fill(0);
-        let tag = seal(key, nonce, &aad, cipher)?;
-        Header { len, counter: slot.counter, page: page.page, tag }.encode(header);
-        Ok(slot)
-    }
-
-    /// [`Tier::get`]: adjacent slots are read with one request, all requests as one batch.
+    /// [`Tier::get`]: adjacent slots are read with one request. With several runs, reading and
+    /// opening overlap: a second thread reads the first run alone, then the rest in batches, while
+    /// this thread authenticates and copies out what has arrived.
     fn read(&mut self, reads: &mut [PageRead<'_, FlashSlot>]) -> Vec<Result<(), TierError>> {
         let mut results: Vec<Option<Result<(), TierError>>> = reads
             .iter()
@@ -330,63 +344,98 @@ impl FlashFile {
             .collect();
         let mut order: Vec<usize> = (0..reads.len()).filter(|&i| results[i].is_none()).collect();
         order.sort_by_key(|&i| reads[i].slot.offset);
-        let mut runs: Vec<(Vec<usize>, u64, u64)> = Vec::new();
+        let mut runs: Vec<ReadRun> = Vec::new();
         for i in order {
             let slot = reads[i].slot;
             match runs.last_mut() {
-                Some((members, offset, bytes))
-                    if *offset + *bytes == slot.offset && *bytes + slot.extent <= RUN_BYTES as u64 =>
+                Some(run) if run.offset + run.bytes == slot.offset && run.bytes + slot.extent <= RUN_BYTES as u64 => {
+                    run.members.push(i);
+                    run.bytes += slot.extent;
+                }
+                _ => runs.push(ReadRun { members: vec![i], offset: slot.offset, bytes: slot.extent }),
+            }
+        }
+        let (engine, fd, buffers) = (self.engine.as_ref(), self.file.as_fd(), self.buffers.as_ref());
+        // Reads a batch of runs; each comes back with its staging buffer, or the error.
+        let read = |batch: &[usize]| -> Vec<(usize, Result<Staging, IoError>)> {
+            let mut staged: Vec<(usize, Result<Staging, IoError>)> =
+                batch.iter().map(|&k| (k, staging(buffers, runs[k].bytes as usize))).collect();
+            let outcomes = {
+                let mut requests: Vec<IoRequest<'_>> = staged
+                    .iter_mut()
+                    .filter_map(|(k, s)| {
+                        let buf = s.as_mut().ok()?;
+                        Some(IoRequest::Read { offset: runs[*k].offset, buf: &mut buf[..runs[*k].bytes as usize] })
+                    })
+                    .collect();
+                run_all(engine, fd, &mut requests)
+            };
+            let mut outcomes = outcomes.into_iter();
+            for (_, s) in staged.iter_mut() {
+                if s.is_ok()
+                    && let Some(Err(e)) = outcomes.next()
                 {
-                    members.push(i);
-                    *bytes += slot.extent;
-                }
-                _ => runs.push((vec![i], slot.offset, slot.extent)),
-            }
-        }
-        let mut staged: Vec<(Vec<usize>, u64, u64, Staging)> = Vec::with_capacity(runs.len());
-        for (members, offset, bytes) in runs {
-            match self.staging(bytes as usize) {
-                Ok(staging) => staged.push((members, offset, bytes, staging)),
-                Err(e) => {
-                    for i in members {
-                        results[i] = Some(Err(TierError::Io(e.clone())));
-                    }
+                    *s = Err(e);
                 }
             }
-        }
-        let outcomes = {
-            let mut requests: Vec<IoRequest<'_>> = staged
-                .iter_mut()
-                .map(|(_, offset, bytes, staging)| IoRequest::Read {
-                    offset: *offset,
-                    buf: &mut staging[..*bytes as usize],
-                })
-                .collect();
-            run_all(self.engine.as_ref(), self.file.as_fd(), &mut requests)
+            staged
         };
-        for ((members, offset, _, staging), outcome) in staged.iter().zip(outcomes) {
-            self.stats.read_requests += 1;
-            if let Err(e) = outcome {
-                self.stats.io_failures += members.len() as u64;
-                for &i in members {
-                    results[i] = Some(Err(TierError::Io(e.clone())));
-                }
-                continue;
-            }
-            for &i in members {
-                let read = &mut reads[i];
-                let at = (read.slot.offset - offset) as usize;
-                let record = &staging[at..at + read.slot.extent as usize];
-                let opened = open_record(read, record);
-                match opened {
-                    Ok(()) => {
-                        self.stats.pages_out += 1;
-                        self.stats.bytes_out += u64::from(read.slot.len);
+        let mut open_arrived = |batch: Vec<(usize, Result<Staging, IoError>)>,
+                                results: &mut [Option<Result<(), TierError>>],
+                                stats: &mut TierStats| {
+            for (k, staged) in batch {
+                let run = &runs[k];
+                stats.read_requests += 1;
+                let staging = match staged {
+                    Ok(s) => s,
+                    Err(e) => {
+                        stats.io_failures += run.members.len() as u64;
+                        for &i in &run.members {
+                            results[i] = Some(Err(TierError::Io(e.clone())));
+                        }
+                        continue;
                     }
-                    Err(_) => self.stats.auth_failures += 1,
+                };
+                for &i in &run.members {
+                    let read = &mut reads[i];
+                    let at = (read.slot.offset - run.offset) as usize;
+                    let opened = open_record(read, &staging[at..at + read.slot.extent as usize]);
+                    match opened {
+                        Ok(()) => {
+                            stats.pages_out += 1;
+                            stats.bytes_out += u64::from(read.slot.len);
+                        }
+                        Err(_) => stats.auth_failures += 1,
+                    }
+                    results[i] = Some(opened);
                 }
-                results[i] = Some(opened);
             }
+        };
+        let stats = &mut self.stats;
+        if runs.len() <= 1 {
+            let all: Vec<usize> = (0..runs.len()).collect();
+            open_arrived(read(&all), &mut results, stats);
+        } else {
+            std::thread::scope(|scope| {
+                let (done, queue) = mpsc::sync_channel::<Vec<(usize, Result<Staging, IoError>)>>(PIPELINE_RUNS);
+                let runs_n = runs.len();
+                let reader = scope.spawn(move || {
+                    // The first run alone, so opening starts early; then batches of a few runs.
+                    let mut next = 0;
+                    while next < runs_n {
+                        let take = if next == 0 { 1 } else { PIPELINE_RUNS.min(runs_n - next) };
+                        let batch: Vec<usize> = (next..next + take).collect();
+                        next += take;
+                        if done.send(read(&batch)).is_err() {
+                            break;
+                        }
+                    }
+                });
+                for batch in queue.iter() {
+                    open_arrived(batch, &mut results, stats);
+                }
+                reader.join().expect("the flash reader thread does not panic");
+            });
         }
         results.into_iter().map(|r| r.expect("every read gets a result above")).collect()
     }
@@ -438,10 +487,59 @@ impl Tier for FlashFile {
     }
 }
 
+/// A staging buffer of at least `len` bytes: a leased chunk when one is free and large enough.
+fn staging(buffers: Option<&Arc<IoBuffers>>, len: usize) -> Result<Staging, IoError> {
+    if let Some(buffers) = buffers
+        && len <= buffers.chunk_len()
+        && let Some(chunk) = buffers.lease()
+    {
+        return Ok(Staging::Leased(chunk));
+    }
+    AlignedBuf::zeroed(len.next_multiple_of(IO_ALIGN)).map(Staging::Owned)
+}
+
+/// Writes the record of `page` (header, ciphertext, zero padding) into `record`, the slot's bytes
+/// at `offset`, with the slot's next nonce.
+fn seal_record(
+    counters: &mut SlotCounters,
+    page: &PageWrite<'_>,
+    offset: u64,
+    record: &mut [u8],
+) -> Result<FlashSlot, TierError> {
+    let p = page.page;
+    let key = page.key.ok_or(TierError::NoKey {
+        tier: TierKind::Flash,
+        session: p.session,
+        layer: p.layer,
+        block: p.block,
+    })?;
+    let len = u32::try_from(page.bytes.len()).map_err(|_| SealError::TooLong { len: page.bytes.len() })?;
+    let id = (offset / IO_ALIGN as u64) as u32;
+    let nonce = counters.next(id)?;
+    let slot = FlashSlot { offset, extent: record.len() as u64, counter: nonce.counter(), len };
+    let aad = aad_of(page.page, &slot);
+    let (header, body) = record.split_at_mut(RECORD_HEADER);
+    let (cipher, pad) = body.split_at_mut(page.bytes.len());
+    cipher.copy_from_slice(page.bytes);
+    pad.fill(0);
+    let tag = seal(key, nonce, &aad, cipher)?;
+    Header { len, counter: slot.counter, page: page.page, tag }.encode(header);
+    Ok(slot)
+}
+
 /// Consecutive pages of one `write` call sharing one extent and one request.
 #[derive(Debug)]
 struct Run {
     pages: std::ops::Range<usize>,
+    offset: u64,
+    bytes: u64,
+}
+
+/// Adjacent slots of one `read` call, read with one request.
+#[derive(Debug)]
+struct ReadRun {
+    /// Indices of the reads, in slot order.
+    members: Vec<usize>,
     offset: u64,
     bytes: u64,
 }

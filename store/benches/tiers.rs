@@ -1,0 +1,152 @@
+//! Demote and promote throughput of the flash tier against plain O_DIRECT I/O of the same bytes
+//! with the same engine, as ratios within one run (this machine is shared and noisy).
+//!
+//! - **write**: `FlashFile::put` of a batch of pages (seal with AES-256-GCM, frame records, coalesce
+//!   into 1 MiB requests, one submission) vs writing the same number of bytes to the same offsets in
+//!   1 MiB requests with `run_all`.
+//! - **read**: `FlashFile::get` of the batch (read, authenticate and decrypt, copy into each page's
+//!   buffer) vs reading the same bytes with `run_all`.
+//! - **get latency** of 1 page and of 32 adjacent pages (p50, p99 of single calls).
+//!
+//! Both arms alternate, `ROUNDS` times each; medians are reported. Run with
+//! `cargo bench -p kvmm-store --bench tiers`; `KVMM_BENCH_DIR` picks the directory of the file
+//! (default: the system temp dir, which must take O_DIRECT).
+
+use std::os::fd::AsFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvmm_store::flash::{FlashFile, FlashSlot, RUN_BYTES};
+use kvmm_store::io::{AlignedBuf, EngineChoice, IoBuffers, IoRequest, probe, run_all};
+use kvmm_store::seal::SessionKey;
+use kvmm_store::tier::{PageId, PageRead, PageWrite, Tier};
+
+const ROUNDS: usize = 15;
+const BATCH_BYTES: usize = 16 << 20;
+
+fn median(mut xs: Vec<Duration>) -> Duration {
+    xs.sort();
+    xs[xs.len() / 2]
+}
+
+fn percentile(mut xs: Vec<Duration>, p: f64) -> Duration {
+    xs.sort();
+    xs[((xs.len() - 1) as f64 * p).round() as usize]
+}
+
+fn gbps(bytes: usize, t: Duration) -> f64 {
+    bytes as f64 / t.as_secs_f64() / 1e9
+}
+
+fn main() {
+    let dir = std::env::var_os("KVMM_BENCH_DIR").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    println!(
+        "| engine | page bytes | pages | seal+write GB/s | plain write GB/s | ratio | read+open GB/s | plain read GB/s | ratio |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let mut latency_rows = Vec::new();
+    for choice in [EngineChoice::Sync, EngineChoice::IoUring] {
+        for page_len in [25_408usize, 131_136] {
+            let buffers = IoBuffers::new(RUN_BYTES, 32).expect("staging buffers");
+            let engine = probe(choice, 128, Some(Arc::clone(&buffers))).expect("engine").engine;
+            let path = dir.join(format!("kvmm-bench-{}.flash", std::process::id()));
+            let mut file = FlashFile::create(&path, 4 * BATCH_BYTES as u64, Arc::clone(&engine), Some(buffers))
+                .expect("flash file in KVMM_BENCH_DIR");
+            let raw = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&path)
+                .expect("the same file, O_DIRECT");
+            let key = SessionKey::generate().expect("key");
+            let pages_n = BATCH_BYTES / FlashFile::extent_for(page_len) as usize;
+            let pages: Vec<Vec<u8>> = (0..pages_n).map(|i| vec![(i % 251) as u8; page_len]).collect();
+            let ids: Vec<PageId> =
+                (0..pages_n as u32).map(|b| PageId { session: 1, layer: b % 30, block: b }).collect();
+            let total = pages_n * FlashFile::extent_for(page_len) as usize;
+            let mut plain: Vec<AlignedBuf> =
+                (0..total.div_ceil(RUN_BYTES)).map(|_| AlignedBuf::zeroed(RUN_BYTES).expect("buffer")).collect();
+            let (mut sealed_w, mut plain_w, mut sealed_r, mut plain_r) = (vec![], vec![], vec![], vec![]);
+            let mut slots: Vec<FlashSlot> = Vec::new();
+            let mut outs: Vec<Vec<u8>> = pages.iter().map(|p| vec![0u8; p.len()]).collect();
+            for _ in 0..ROUNDS {
+                for slot in slots.drain(..) {
+                    file.free(slot);
+                }
+                let writes: Vec<PageWrite<'_>> =
+                    pages.iter().zip(&ids).map(|(b, &page)| PageWrite { key: Some(&key), page, bytes: b }).collect();
+                let t = Instant::now();
+                slots = file.put(&writes).into_iter().map(|r| r.expect("flash write")).collect();
+                sealed_w.push(t.elapsed());
+
+                let t = Instant::now();
+                let mut requests: Vec<IoRequest<'_>> = plain
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| IoRequest::Write { offset: (2 * BATCH_BYTES + i * RUN_BYTES) as u64, buf: &b[..] })
+                    .collect();
+                assert!(run_all(engine.as_ref(), raw.as_fd(), &mut requests).iter().all(Result::is_ok));
+                plain_w.push(t.elapsed());
+
+                let t = Instant::now();
+                let mut reads: Vec<PageRead<'_, FlashSlot>> = outs
+                    .iter_mut()
+                    .zip(&slots)
+                    .zip(&ids)
+                    .map(|((out, &slot), &page)| PageRead { key: Some(&key), page, slot, out })
+                    .collect();
+                assert!(file.get(&mut reads).iter().all(Result::is_ok));
+                sealed_r.push(t.elapsed());
+
+                let t = Instant::now();
+                let mut requests: Vec<IoRequest<'_>> = plain
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, b)| IoRequest::Read { offset: (2 * BATCH_BYTES + i * RUN_BYTES) as u64, buf: &mut b[..] })
+                    .collect();
+                assert!(run_all(engine.as_ref(), raw.as_fd(), &mut requests).iter().all(Result::is_ok));
+                plain_r.push(t.elapsed());
+            }
+            assert!(outs.iter().zip(&pages).all(|(a, b)| a == b));
+            let (sw, pw, sr, pr) = (median(sealed_w), median(plain_w), median(sealed_r), median(plain_r));
+            let plain_bytes = plain.len() * RUN_BYTES;
+            let (swg, pwg, srg, prg) = (gbps(total, sw), gbps(plain_bytes, pw), gbps(total, sr), gbps(plain_bytes, pr));
+            println!(
+                "| {} | {page_len} | {pages_n} | {swg:.2} | {pwg:.2} | {:.2} | {srg:.2} | {prg:.2} | {:.2} |",
+                engine.kind(),
+                swg / pwg,
+                srg / prg
+            );
+            for n in [1usize, 32] {
+                let mut times = Vec::new();
+                for round in 0..200 {
+                    let first = (round * 37) % (pages_n - n);
+                    let mut reads: Vec<PageRead<'_, FlashSlot>> = outs[first..first + n]
+                        .iter_mut()
+                        .zip(&slots[first..first + n])
+                        .zip(&ids[first..first + n])
+                        .map(|((out, &slot), &page)| PageRead { key: Some(&key), page, slot, out })
+                        .collect();
+                    let t = Instant::now();
+                    assert!(file.get(&mut reads).iter().all(Result::is_ok));
+                    times.push(t.elapsed());
+                }
+                latency_rows.push(format!(
+                    "| {} | {page_len} | {n} | {:.0} | {:.0} |",
+                    engine.kind(),
+                    percentile(times.clone(), 0.5).as_secs_f64() * 1e6,
+                    percentile(times, 0.99).as_secs_f64() * 1e6
+                ));
+            }
+            drop(file);
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+    println!();
+    println!("| engine | page bytes | pages per get | p50 µs | p99 µs |");
+    println!("|---|---|---|---|---|");
+    for row in latency_rows {
+        println!("{row}");
+    }
+}
