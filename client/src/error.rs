@@ -36,6 +36,9 @@ pub enum Error {
     /// The session is not in a state that allows the call.
     #[error("{0}")]
     FailedPrecondition(String),
+    /// Memory ran short in a way retrying now would not fix.
+    #[error("{0}")]
+    Exhausted(String),
     /// The daemon sent something this library does not accept.
     #[error("kvmmd sent an unexpected reply: {0}")]
     Protocol(String),
@@ -64,6 +67,7 @@ impl Error {
             Error::FdRefused { code, .. } => *code,
             Error::InvalidArgument(_) | Error::Kernel(_) => Code::InvalidArgument,
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
+            Error::Exhausted(_) => Code::ResourceExhausted,
             Error::Protocol(_) | Error::Shm(_) | Error::Io { .. } => Code::Internal,
         }
     }

@@ -30,6 +30,8 @@ pub const DEFAULT_EXTEND_BATCH: u32 = 4;
 const FD_TIMEOUT: Duration = Duration::from_secs(5);
 /// Pin attempts on a page the daemon is moving before giving up (a move takes microseconds).
 const MAX_PIN_ATTEMPTS: u32 = 1_000_000;
+/// Faults one pin tries before giving up on a page that keeps being demoted.
+const MAX_FAULTS_PER_PAGE: u32 = 8;
 /// Weight of the newest attention mass in a page's importance EMA.
 const IMPORTANCE_EMA: f32 = 0.1;
 
@@ -75,6 +77,11 @@ pub struct SessionStats {
     pub pages_moved: u64,
     /// Pages faulted.
     pub faults: u64,
+    /// Bytes of this session's pages in the daemon's DRAM tier and in its flash tier.
+    pub dram_bytes: u64,
+    pub flash_bytes: u64,
+    /// Pages in each tier: device, DRAM, flash.
+    pub pages: [u32; 3],
 }
 
 /// One attached session. Dropping it detaches (the daemon wipes its pages).
@@ -455,6 +462,9 @@ impl Session {
             device_bytes: s.device_bytes,
             pages_moved: s.pages_moved,
             faults: s.faults,
+            dram_bytes: s.dram_bytes,
+            flash_bytes: s.flash_bytes,
+            pages: [s.device_pages, s.dram_pages, s.flash_pages],
         })
     }
 
@@ -512,22 +522,52 @@ impl Session {
         }
     }
 
-    /// Pins one page, waiting out a move in progress.
+    /// Pins one page, waiting out a move in progress and faulting it in (one `Fault` per try) when
+    /// the daemon has demoted it.
     fn pin(&self, layer: u32, block: u32) -> Result<(PageLocation, Pins<'_>)> {
         let page = self.table.entry(layer, block)?;
         let client = self.region.entry(layer, block)?;
+        let mut faults = 0;
         for attempt in 0..MAX_PIN_ATTEMPTS {
             match client.pin(page) {
                 PinOutcome::Pinned { .. } => return Ok((page.location(), Pins { entries: vec![client] })),
                 PinOutcome::Migrating => backoff(attempt),
+                PinOutcome::NotResident if faults < MAX_FAULTS_PER_PAGE => {
+                    self.fault(layer, &[block])?;
+                    faults += 1;
+                }
                 PinOutcome::NotResident => {
-                    return Err(Error::FailedPrecondition(format!(
-                        "page ({layer}, {block}) is not resident; only the device tier exists in this version"
+                    return Err(Error::Exhausted(format!(
+                        "page ({layer}, {block}) was demoted again each of the {MAX_FAULTS_PER_PAGE} times it was \
+                         faulted in; the device budget is too small for this workload"
                     )));
                 }
             }
         }
         Err(Error::FailedPrecondition(format!("page ({layer}, {block}) stayed in migration; is kvmmd stuck?")))
+    }
+
+    /// Asks the daemon to make `blocks` of `layer` resident (one RPC for all of them).
+    fn fault(&self, layer: u32, blocks: &[u32]) -> Result<()> {
+        let mut rpc = self.inner.rpc.clone();
+        let pages = blocks.iter().map(|&block| pb::PageRef { layer, block }).collect();
+        self.inner.runtime.block_on(rpc.fault(pb::FaultRequest { session_id: self.id, pages }))?;
+        Ok(())
+    }
+
+    /// Hints that `layers × blocks` will be read soon: the daemon promotes the pages it holds below
+    /// the device in the background. Returns (pages already resident, promotions scheduled).
+    pub fn prefetch(&self, layers: std::ops::Range<u32>, blocks: std::ops::Range<u32>) -> Result<(u32, u32)> {
+        let mut rpc = self.inner.rpc.clone();
+        let request = pb::PrefetchRequest {
+            session_id: self.id,
+            first_layer: layers.start,
+            layers: layers.end.saturating_sub(layers.start),
+            first_block: blocks.start,
+            blocks: blocks.end.saturating_sub(blocks.start),
+        };
+        let r = self.inner.runtime.block_on(rpc.prefetch(request))?.into_inner();
+        Ok((r.resident_pages, r.scheduled_pages))
     }
 
     /// Pins blocks `0..pages` of `layer`: announce every pin, one fence, then check each; pages caught
@@ -537,23 +577,35 @@ impl Session {
         let table = self.table.entries_of_layer(layer)?;
         let region = self.region.entries_of_layer(layer)?;
         let (table, region) = (&table[..n.min(table.len())], &region[..n.min(region.len())]);
-        for c in region {
-            c.pin_announce();
-        }
-        protocol::pin_fence();
-        let mut pins = Pins { entries: Vec::with_capacity(n) };
-        let mut retry = Vec::new();
-        for (block, (page, client)) in table.iter().zip(region).enumerate() {
-            match client.pin_check(page) {
-                PinOutcome::Pinned { .. } => pins.entries.push(client),
-                PinOutcome::Migrating | PinOutcome::NotResident => retry.push(block as u32),
+        for round in 0..MAX_FAULTS_PER_PAGE {
+            for c in region {
+                c.pin_announce();
             }
+            protocol::pin_fence();
+            let mut pins = Pins { entries: Vec::with_capacity(n) };
+            let (mut retry, mut missing) = (Vec::new(), Vec::new());
+            for (block, (page, client)) in table.iter().zip(region).enumerate() {
+                match client.pin_check(page) {
+                    PinOutcome::Pinned { .. } => pins.entries.push(client),
+                    PinOutcome::Migrating => retry.push(block as u32),
+                    PinOutcome::NotResident => missing.push(block as u32),
+                }
+            }
+            // Pages the daemon demoted come back with one Fault for all of them. The pins taken so
+            // far are released first: the daemon may need to demote some of these very pages to
+            // make room for others' faults, and holding them while waiting could starve everyone.
+            if !missing.is_empty() && round + 1 < MAX_FAULTS_PER_PAGE {
+                drop(pins);
+                self.fault(layer, &missing)?;
+                continue;
+            }
+            for block in retry.into_iter().chain(missing) {
+                let (_, mut single) = self.pin(layer, block)?;
+                pins.entries.append(&mut single.entries);
+            }
+            return Ok(pins);
         }
-        for block in retry {
-            let (_, mut single) = self.pin(layer, block)?;
-            pins.entries.append(&mut single.entries);
-        }
-        Ok(pins)
+        Err(Error::Exhausted(format!("the pages of layer {layer} could not all be made resident at once")))
     }
 
     /// Checks a location from the shared table against this session's page format and the arena.

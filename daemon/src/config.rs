@@ -7,6 +7,8 @@
 
 use std::path::{Path, PathBuf};
 
+use kvmm_kernels::Format;
+use kvmm_store::io::EngineChoice;
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
@@ -17,6 +19,10 @@ pub const DEFAULT_DEVICE_BUDGET: &str = "25%";
 pub const DEFAULT_FD_TOKEN_TTL_MS: u64 = 10_000;
 /// How often the compactor looks for holes below the arena's high-water mark.
 pub const DEFAULT_COMPACTION_INTERVAL_MS: u64 = 1_000;
+/// Default share of `MemAvailable` given to the DRAM tier (the daemon's private pool).
+pub const DEFAULT_DRAM_BUDGET: &str = "10%";
+/// Default high and low watermarks, in percent of a tier's budget.
+pub const DEFAULT_WATERMARKS: (u8, u8) = (90, 80);
 
 /// The configuration file, as written by an operator. Every key is optional.
 #[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
@@ -35,6 +41,32 @@ pub struct FileConfig {
     pub log: Option<String>,
     /// Arena compaction.
     pub compaction: Option<CompactionConfig>,
+    /// The tiers below the device.
+    pub tiers: Option<TiersConfig>,
+}
+
+/// The `[tiers]` table.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TiersConfig {
+    /// DRAM-tier budget (the daemon's private pool): bytes, a size or a percentage of
+    /// `MemAvailable`; 0 disables the tier.
+    pub dram_budget: Option<ByteSize>,
+    /// Flash-tier budget (the size of the preallocated file); 0, the default, disables the tier.
+    pub flash_budget: Option<ByteSize>,
+    /// Directory of the flash file.
+    pub flash_dir: Option<PathBuf>,
+    /// `auto`, `io_uring` or `pread`.
+    pub io_engine: Option<String>,
+    /// Seal pages in the DRAM pool too (flash pages are always sealed).
+    pub seal_dram: Option<bool>,
+    /// The format pages take when they leave the device: `q8`, `q4`, `q2`, or `none` (lossless:
+    /// they keep their format).
+    pub demote_format: Option<String>,
+    /// Background demotion starts above this percentage of a tier's budget...
+    pub high_watermark: Option<u8>,
+    /// ...and stops below this one.
+    pub low_watermark: Option<u8>,
 }
 
 /// The `[compaction]` table.
@@ -129,6 +161,16 @@ pub struct Overrides {
     pub compaction_interval_ms: Option<u64>,
     /// `--debug-move-churn`: continuously move random unpinned pages (for tests of the move protocol).
     pub debug_move_churn: bool,
+    /// `--dram-budget`.
+    pub dram_budget: Option<ByteSize>,
+    /// `--flash-budget`.
+    pub flash_budget: Option<ByteSize>,
+    /// `--flash-dir`.
+    pub flash_dir: Option<PathBuf>,
+    /// `--io-engine`.
+    pub io_engine: Option<String>,
+    /// `--demote-format`.
+    pub demote_format: Option<String>,
 }
 
 /// The merged configuration with every value decided.
@@ -150,6 +192,35 @@ pub struct Resolved {
     pub compaction_interval: Option<std::time::Duration>,
     /// Whether the move-churn test driver runs.
     pub debug_move_churn: bool,
+    /// The tiers below the device.
+    pub tiers: Tiers,
+}
+
+/// The resolved `[tiers]` table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tiers {
+    /// DRAM pool bytes; 0: no DRAM tier.
+    pub dram_budget: u64,
+    /// Flash file bytes; 0: no flash tier.
+    pub flash_budget: u64,
+    /// The flash file.
+    pub flash_path: PathBuf,
+    /// The I/O engine asked for.
+    pub io_engine: EngineChoice,
+    /// Whether DRAM pages are sealed.
+    pub seal_dram: bool,
+    /// The format full 16-bit pages take when demoted; `None` keeps every page's format (lossless).
+    pub demote_format: Option<Format>,
+    /// Watermarks in percent of each tier's budget (`low < high ≤ 100`).
+    pub high_watermark: u8,
+    pub low_watermark: u8,
+}
+
+impl Tiers {
+    /// Whether any tier below the device exists.
+    pub fn any(&self) -> bool {
+        self.dram_budget > 0 || self.flash_budget > 0
+    }
 }
 
 /// The smallest device budget kvmmd accepts: one 2 MiB chunk.
@@ -171,6 +242,7 @@ impl FileConfig {
 
     /// Merges the file with command-line overrides and decides every value.
     pub fn resolve(self, cli: Overrides, env: &Environment) -> Result<Resolved> {
+        let tiers = resolve_tiers(self.tiers.clone().unwrap_or_default(), &cli, env)?;
         let runtime_dir = cli.runtime_dir.or(self.runtime_dir).map(Ok).unwrap_or_else(|| env.default_runtime_dir())?;
         let budget = cli
             .device_budget
@@ -195,6 +267,7 @@ impl FileConfig {
             .or(self.compaction.and_then(|c| c.interval_ms))
             .unwrap_or(DEFAULT_COMPACTION_INTERVAL_MS);
         Ok(Resolved {
+            tiers,
             runtime_dir,
             device_budget: budget,
             admin_gid,
@@ -205,6 +278,59 @@ impl FileConfig {
             debug_move_churn: cli.debug_move_churn,
         })
     }
+}
+
+/// Decides the `[tiers]` values: flags over the file over defaults.
+fn resolve_tiers(file: TiersConfig, cli: &Overrides, env: &Environment) -> Result<Tiers> {
+    let default_dram = ByteSize::parse(DEFAULT_DRAM_BUDGET).map_err(Error::InvalidArgument)?;
+    let dram_budget = cli.dram_budget.or(file.dram_budget).unwrap_or(default_dram).bytes(env.mem_available);
+    let flash_budget = cli.flash_budget.or(file.flash_budget).map_or(0, |b| b.bytes(env.mem_available));
+    let flash_dir = match cli.flash_dir.clone().or(file.flash_dir) {
+        Some(dir) => dir,
+        None if flash_budget == 0 => PathBuf::new(),
+        None => env.default_state_dir()?,
+    };
+    let io_engine = cli
+        .io_engine
+        .clone()
+        .or(file.io_engine)
+        .map_or(Ok(EngineChoice::Auto), |e| e.parse::<EngineChoice>())
+        .map_err(|e| Error::InvalidArgument(format!("io_engine: {e}")))?;
+    let demote_format = match cli.demote_format.clone().or(file.demote_format).as_deref() {
+        None => Some(Format::Q8),
+        Some("none") => None,
+        Some(name) => match Format::from_name(name) {
+            Some(f @ (Format::Q8 | Format::Q4 | Format::Q2 | Format::K8V4)) => Some(f),
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "demote_format \"{name}\" is not a compressed format; use \"q8\", \"q4\", \"q2\", \"k8v4\" or \"none\""
+                )));
+            }
+        },
+    };
+    let (high, low) =
+        (file.high_watermark.unwrap_or(DEFAULT_WATERMARKS.0), file.low_watermark.unwrap_or(DEFAULT_WATERMARKS.1));
+    if !(low < high && high <= 100) {
+        return Err(Error::InvalidArgument(format!(
+            "watermarks low {low}% and high {high}% must satisfy low < high ≤ 100"
+        )));
+    }
+    if flash_budget > 0 && dram_budget == 0 {
+        return Err(Error::InvalidArgument(
+            "a flash tier needs a DRAM tier (pages pass through DRAM on their way to flash); set tiers.dram_budget"
+                .to_owned(),
+        ));
+    }
+    Ok(Tiers {
+        dram_budget,
+        flash_budget,
+        flash_path: flash_dir.join("kvmm.flash"),
+        io_engine,
+        seal_dram: file.seal_dram.unwrap_or(false),
+        demote_format,
+        high_watermark: high,
+        low_watermark: low,
+    })
 }
 
 /// What the defaults depend on, read once from the process environment (or built by tests).
@@ -218,6 +344,10 @@ pub struct Environment {
     pub euid: u32,
     /// `MemAvailable` from `/proc/meminfo`, in bytes.
     pub mem_available: u64,
+    /// `$STATE_DIRECTORY` (set by systemd's `StateDirectory=`).
+    pub state_directory: Option<PathBuf>,
+    /// `$XDG_STATE_HOME`, else `$HOME/.local/state`.
+    pub xdg_state_home: Option<PathBuf>,
 }
 
 impl Environment {
@@ -238,6 +368,30 @@ impl Environment {
                 .filter(|p| !p.as_os_str().is_empty()),
             euid: rustix::process::geteuid().as_raw(),
             mem_available,
+            state_directory: std::env::var_os("STATE_DIRECTORY")
+                .and_then(|v| v.to_str().and_then(|s| s.split(':').next()).map(PathBuf::from))
+                .filter(|p| !p.as_os_str().is_empty()),
+            xdg_state_home: std::env::var_os("XDG_STATE_HOME")
+                .map(PathBuf::from)
+                .filter(|p| !p.as_os_str().is_empty())
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/state"))),
+        })
+    }
+
+    /// `$STATE_DIRECTORY`, else `/var/lib/kvmm` as root, else `$XDG_STATE_HOME/kvmm`.
+    pub fn default_state_dir(&self) -> Result<PathBuf> {
+        if let Some(dir) = &self.state_directory {
+            return Ok(dir.clone());
+        }
+        if self.euid == 0 {
+            return Ok(PathBuf::from("/var/lib/kvmm"));
+        }
+        self.xdg_state_home.as_ref().map(|d| d.join("kvmm")).ok_or_else(|| {
+            Error::FailedPrecondition(
+                "no state directory for the flash file: $STATE_DIRECTORY, $XDG_STATE_HOME and $HOME are unset; \
+                 set tiers.flash_dir"
+                    .to_owned(),
+            )
         })
     }
 
@@ -298,6 +452,8 @@ mod tests {
             xdg_runtime_dir: Some(PathBuf::from("/run/user/1000")),
             euid,
             mem_available: 8 << 30,
+            state_directory: None,
+            xdg_state_home: Some(PathBuf::from("/home/u/.local/state")),
         }
     }
 
@@ -370,6 +526,36 @@ mod tests {
         assert_eq!(file.device_budget, Some(ByteSize::Bytes(4 << 30)));
         assert_eq!(file.compaction.and_then(|c| c.interval_ms), Some(1000));
         assert_eq!(file.admin_group.as_deref(), Some("kvmm-admin"));
+    }
+
+    #[test]
+    fn tiers_default_to_a_q8_dram_pool_and_no_flash() {
+        let r = FileConfig::default().resolve(Overrides::default(), &env(1000)).unwrap();
+        assert_eq!(r.tiers.dram_budget, (8u64 << 30) / 100 * 10);
+        assert_eq!(r.tiers.flash_budget, 0);
+        assert_eq!(r.tiers.demote_format, Some(Format::Q8));
+        assert_eq!(r.tiers.io_engine, EngineChoice::Auto);
+        let file = FileConfig::parse("[tiers]\nflash_budget = \"1GiB\"\ndemote_format = \"none\"\n").unwrap();
+        let r = file.resolve(Overrides::default(), &env(1000)).unwrap();
+        assert_eq!(r.tiers.flash_path, PathBuf::from("/home/u/.local/state/kvmm/kvmm.flash"));
+        assert_eq!(r.tiers.demote_format, None);
+        let root = FileConfig::parse("[tiers]\nflash_budget = \"1GiB\"\n")
+            .unwrap()
+            .resolve(Overrides::default(), &env(0))
+            .unwrap();
+        assert_eq!(root.tiers.flash_path, PathBuf::from("/var/lib/kvmm/kvmm.flash"));
+    }
+
+    #[test]
+    fn bad_tier_values_are_refused_with_the_fix() {
+        for (text, needle) in [
+            ("[tiers]\nio_engine = \"uring\"\n", "io_engine"),
+            ("[tiers]\ndemote_format = \"f16\"\n", "demote_format"),
+            ("[tiers]\nhigh_watermark = 70\nlow_watermark = 80\n", "watermarks"),
+        ] {
+            let err = FileConfig::parse(text).unwrap().resolve(Overrides::default(), &env(0)).unwrap_err().to_string();
+            assert!(err.contains(needle), "{text}: {err}");
+        }
     }
 
     #[test]

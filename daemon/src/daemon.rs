@@ -6,23 +6,35 @@
 //! on). The gRPC and fd servers are thin layers over these methods, so the logic is tested without
 //! sockets.
 
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use kvmm_shm::fdpass::{FdRequest, PeerCred};
 use kvmm_shm::{ClientRegion, Geometry, Memfd, PageLocation, SessionTable};
+use kvmm_store::dram::DramPool;
+use kvmm_store::flash::{FlashFile, RUN_BYTES};
+use kvmm_store::io::{EngineKind, IoBuffers, probe};
+use kvmm_store::seal::SessionKey;
+use kvmm_store::tier::{Tier, TierKind, TierStats};
 use parking_lot::Mutex;
 
 use crate::config::Resolved;
 use crate::error::{Error, Result};
 use crate::fdpass::{TOKEN_BYTES, TokenStore};
+use crate::migrate::tiering::{self, PageRef, Scratch, TierCounters};
 use crate::pool::Pool;
 use crate::server::conn::{ConnId, ConnInfo};
+use crate::session::page_table::Place;
 use crate::session::{Counters, Owner, PageTable, Priority, Registry, Session};
 
 /// The most pages one session may address (its table then takes 32 MiB); bounds what one attach costs.
 pub const MAX_PAGES_PER_SESSION: u64 = 1 << 20;
+/// Promotion attempts of one `Fault` before it reports the device as exhausted, and the pause
+/// between them (room may be held by other clients' pins for a moment).
+const FAULT_ATTEMPTS: u32 = 200;
+const FAULT_RETRY: std::time::Duration = std::time::Duration::from_millis(2);
 /// Longest model id accepted.
 pub const MAX_MODEL_ID_BYTES: usize = 256;
 
@@ -39,6 +51,12 @@ pub struct Core {
     pub moves: u64,
     /// Moves skipped because a client held a pin.
     pub moves_skipped_pinned: u64,
+    /// The DRAM tier, if configured: memory-speed, so it lives under the core lock.
+    pub dram: Option<DramPool>,
+    /// Traffic between tiers.
+    pub tier_counters: TierCounters,
+    /// Pages named by `Prefetch` hints, promoted by the tier task.
+    pub prefetch_queue: VecDeque<PageRef>,
 }
 
 /// The daemon: configuration, the locked core, and the shutdown flag.
@@ -54,6 +72,13 @@ pub struct Daemon {
     pub prefault_wanted: tokio::sync::Notify,
     /// Start time, for uptime.
     pub started: Instant,
+    /// The flash tier, if configured. Taken after the core lock, never before it; its I/O runs
+    /// without the core lock except on the synchronous make-room path.
+    pub flash: Option<Mutex<FlashFile>>,
+    /// The I/O engine of the flash tier and why it is not the first choice, if it is not.
+    pub io_engine: Option<(EngineKind, Option<String>)>,
+    /// Wakes the tier task (a prefetch hint arrived, or memory is short).
+    pub tier_wanted: (std::sync::Mutex<bool>, std::sync::Condvar),
 }
 
 /// What `Attach` returns.
@@ -116,6 +141,10 @@ pub struct SessionStats {
     pub device_bytes: u64,
     /// Counters.
     pub counters: Counters,
+    /// Bytes and pages in the DRAM and flash tiers, and pages on the device.
+    pub dram_bytes: u64,
+    pub flash_bytes: u64,
+    pub pages: [u64; 3],
 }
 
 /// Daemon-wide status.
@@ -137,13 +166,41 @@ pub struct Status {
     pub moves: u64,
     /// Moves skipped on a pin.
     pub moves_skipped_pinned: u64,
+    /// Per tier below the device: its counters.
+    pub dram: Option<TierStats>,
+    pub flash: Option<TierStats>,
+    /// The flash tier's I/O engine and fallback reason.
+    pub io_engine: Option<(EngineKind, Option<String>)>,
+    /// Traffic between tiers.
+    pub tier_counters: TierCounters,
+    /// Pages per tier over all sessions.
+    pub pages_device: u64,
+    pub pages_dram: u64,
+    pub pages_flash: u64,
 }
 
 impl Daemon {
-    /// A daemon with an empty pool.
-    pub fn new(config: Resolved) -> Arc<Self> {
+    /// A daemon with an empty pool, and the DRAM pool and flash file the configuration asks for.
+    pub fn new(config: Resolved) -> Result<Arc<Self>> {
         let pool = Pool::new(config.device_budget);
-        Arc::new(Daemon {
+        let t = &config.tiers;
+        let dram = (t.dram_budget > 0).then(|| DramPool::new(t.dram_budget, t.seal_dram)).transpose()?;
+        let (flash, io_engine) = if t.flash_budget > 0 {
+            if let Some(dir) = t.flash_path.parent() {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| Error::io(format!("cannot create the flash directory {}", dir.display()), e))?;
+            }
+            let buffers = IoBuffers::new(RUN_BYTES, 16).map_err(kvmm_store::tier::TierError::from)?;
+            let probed =
+                probe(t.io_engine, 64, Some(Arc::clone(&buffers))).map_err(kvmm_store::tier::TierError::from)?;
+            let kind = probed.engine.kind();
+            let file = FlashFile::create(&t.flash_path, t.flash_budget, probed.engine, Some(buffers))?;
+            tracing::info!(path = %t.flash_path.display(), bytes = t.flash_budget, engine = %kind, direct = file.is_direct(), "flash tier ready");
+            (Some(Mutex::new(file)), Some((kind, probed.fallback)))
+        } else {
+            (None, None)
+        };
+        Ok(Arc::new(Daemon {
             config,
             core: Mutex::new(Core {
                 pool,
@@ -151,11 +208,30 @@ impl Daemon {
                 tokens: TokenStore::default(),
                 moves: 0,
                 moves_skipped_pinned: 0,
+                dram,
+                tier_counters: TierCounters::default(),
+                prefetch_queue: VecDeque::new(),
             }),
             shutting_down: AtomicBool::new(false),
             prefault_wanted: tokio::sync::Notify::new(),
             started: Instant::now(),
-        })
+            flash,
+            io_engine,
+            tier_wanted: (std::sync::Mutex::new(false), std::sync::Condvar::new()),
+        }))
+    }
+
+    /// Wakes the tier task.
+    pub fn wake_tiers(&self) {
+        let (flag, cv) = &self.tier_wanted;
+        *flag.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+        cv.notify_one();
+    }
+
+    /// Whether pages of new sessions get a sealing key: some tier below the device seals.
+    fn seals(&self) -> bool {
+        let t = &self.config.tiers;
+        t.flash_budget > 0 || (t.dram_budget > 0 && t.seal_dram)
     }
 
     /// Stops admitting work.
@@ -197,6 +273,11 @@ impl Daemon {
                 geometry.blocks_per_layer()
             )));
         }
+        let key = if self.seals() {
+            Some(Arc::new(SessionKey::generate().map_err(kvmm_store::tier::TierError::from)?))
+        } else {
+            None
+        };
         let mut core = self.core.lock();
         let core = &mut *core;
         let arena_bytes = core.pool.arena_for(caller.uid)?.memfd().len();
@@ -226,6 +307,8 @@ impl Daemon {
             pages: PageTable::new(geometry.layers, geometry.blocks_per_layer()),
             counters: Counters::default(),
             attached_at: Instant::now(),
+            key,
+            recent: Default::default(),
         });
         tracing::info!(session = id, uid = caller.uid, pid = caller.pid, ?geometry, "attached");
         Ok(grant)
@@ -238,17 +321,37 @@ impl Daemon {
             return Err(Error::InvalidArgument("blocks must be at least 1".to_owned()));
         }
         let mut core = self.core.lock();
+        let need = {
+            let s = core.sessions.get(session_id, caller.uid)?;
+            let have = s.pages.allocated_blocks();
+            let cap = s.pages.blocks_per_layer();
+            if u64::from(have) + u64::from(blocks) > u64::from(cap) {
+                return Err(Error::InvalidArgument(format!(
+                    "Extend past the geometry: session {session_id} has {have} of its {cap} blocks per layer \
+                     (max_tokens {} at {} tokens per block); {blocks} more would exceed max_tokens",
+                    s.geometry.max_tokens, s.geometry.block_tokens
+                )));
+            }
+            kvmm_store::extent::ExtentAllocator::frame_len(s.geometry.page_bytes())
+                * u64::from(blocks)
+                * u64::from(s.geometry.layers)
+        };
+        if core.pool.budget() - core.pool.used() < need && self.config.tiers.any() {
+            // Make room below rather than refuse: demote the coldest pages of any session.
+            let t = &self.config.tiers;
+            tiering::make_room(
+                &mut core,
+                self.flash.as_ref(),
+                t.demote_format,
+                need,
+                &HashSet::new(),
+                &mut Scratch::default(),
+            )?;
+            self.wake_tiers();
+        }
         let Core { pool, sessions, .. } = &mut *core;
         let s = sessions.get_mut(session_id, caller.uid)?;
         let have = s.pages.allocated_blocks();
-        let cap = s.pages.blocks_per_layer();
-        if u64::from(have) + u64::from(blocks) > u64::from(cap) {
-            return Err(Error::InvalidArgument(format!(
-                "Extend past the geometry: session {session_id} has {have} of its {cap} blocks per layer \
-                 (max_tokens {} at {} tokens per block); {blocks} more would exceed max_tokens",
-                s.geometry.max_tokens, s.geometry.block_tokens
-            )));
-        }
         let page_bytes = s.geometry.page_bytes();
         let frames = pool.alloc_frames(caller.uid, page_bytes, u64::from(blocks) * u64::from(s.geometry.layers))?;
         // Every new page starts with its header and empty key bounds; the rest of a frame is zero
@@ -285,7 +388,7 @@ impl Daemon {
     pub fn detach(&self, caller: ConnInfo, session_id: u64) -> Result<u64> {
         let mut core = self.core.lock();
         core.sessions.get(session_id, caller.uid)?;
-        let bytes = destroy(&mut core, session_id)?;
+        let bytes = destroy(&mut core, self.flash.as_ref(), session_id)?;
         tracing::info!(session = session_id, bytes, "detached");
         Ok(bytes)
     }
@@ -294,7 +397,7 @@ impl Daemon {
     pub fn connection_closed(&self, conn: ConnId) {
         let mut core = self.core.lock();
         for id in core.sessions.ids_of_conn(conn) {
-            match destroy(&mut core, id) {
+            match destroy(&mut core, self.flash.as_ref(), id) {
                 Ok(bytes) => tracing::info!(session = id, conn = conn.0, bytes, "client went away; session wiped"),
                 Err(e) => tracing::error!(session = id, error = %e, "wiping the session of a closed connection failed"),
             }
@@ -306,7 +409,7 @@ impl Daemon {
         let mut core = self.core.lock();
         let mut total = 0;
         for id in core.sessions.ids() {
-            match destroy(&mut core, id) {
+            match destroy(&mut core, self.flash.as_ref(), id) {
                 Ok(b) => total += b,
                 Err(e) => tracing::error!(session = id, error = %e, "wiping a session at shutdown failed"),
             }
@@ -345,23 +448,104 @@ impl Daemon {
             tokens: s.tokens(),
             device_bytes: s.pages.bytes(),
             counters: s.counters,
+            dram_bytes: s.pages.bytes_in(TierKind::Dram),
+            flash_bytes: s.pages.bytes_in(TierKind::Flash),
+            pages: [TierKind::Device, TierKind::Dram, TierKind::Flash].map(|t| s.pages.count_in(t)),
         })
     }
 
-    /// Makes the listed pages resident and reports where they are. With only the device tier, every
-    /// allocated page is resident; unallocated pages are an error naming the first one.
+    /// Makes the listed pages resident and reports where they are: DRAM pages are copied back under
+    /// the core lock, flash pages are read (one batch) with the core lock released, after making
+    /// room on the device by demoting the coldest pages of any session, never those of the layers
+    /// named here. A page that fails authentication fails the call with `DATA_LOSS` naming it (the
+    /// others are promoted); a page that cannot get a frame fails it with `RESOURCE_EXHAUSTED`.
     pub fn fault(&self, caller: ConnInfo, session_id: u64, pages: &[(u32, u32)]) -> Result<Vec<Residency>> {
         self.admit()?;
-        let mut core = self.core.lock();
-        let s = core.sessions.get_mut(session_id, caller.uid)?;
-        let mut out = Vec::with_capacity(pages.len());
-        for &(layer, block) in pages {
-            check_page(s, layer, block)?;
-            let (generation, flags) = s.table.entry(layer, block)?.load_state(std::sync::atomic::Ordering::Acquire);
-            out.push(Residency { layer, block, resident: flags.contains(kvmm_shm::PageFlags::RESIDENT), generation });
+        let refs: Vec<PageRef> = {
+            let mut core = self.core.lock();
+            let s = core.sessions.get_mut(session_id, caller.uid)?;
+            for &(layer, block) in pages {
+                check_page(s, layer, block)?;
+            }
+            s.counters.faults += pages.len() as u64;
+            pages.iter().map(|&(layer, block)| PageRef { session: session_id, layer, block }).collect()
+        };
+        // Room may be held by other clients' pins or just-promoted pages for a moment: try again a
+        // few times before reporting the device as exhausted.
+        let mut attempt = 0;
+        loop {
+            let lost = self.promote(session_id, &refs)?;
+            if let Some((page, error)) = lost.into_iter().next() {
+                tracing::error!(session = session_id, layer = page.layer, block = page.block, error = %error, "page lost");
+                return Err(error.into());
+            }
+            let core = self.core.lock();
+            let s = core.sessions.get(session_id, caller.uid)?;
+            let mut out = Vec::with_capacity(pages.len());
+            for &(layer, block) in pages {
+                let (generation, flags) = s.table.entry(layer, block)?.load_state(std::sync::atomic::Ordering::Acquire);
+                out.push(Residency {
+                    layer,
+                    block,
+                    resident: flags.contains(kvmm_shm::PageFlags::RESIDENT),
+                    generation,
+                });
+            }
+            let Some(r) = out.iter().find(|r| !r.resident) else { return Ok(out) };
+            if attempt >= FAULT_ATTEMPTS {
+                let need = s.pages.page(r.layer, r.block).map_or(0, |p| p.place.footprint());
+                return Err(Error::Exhausted {
+                    tier: "device",
+                    requested: need,
+                    available: core.pool.budget() - core.pool.used(),
+                    budget: core.pool.budget(),
+                });
+            }
+            drop(core);
+            attempt += 1;
+            std::thread::sleep(FAULT_RETRY);
         }
-        s.counters.faults += pages.len() as u64;
-        Ok(out)
+    }
+
+    /// Promotes `refs` (pages of one session) to the device; returns the pages that failed
+    /// authentication. Pages already resident, and pages no room could be made for, are left alone.
+    pub fn promote(&self, session_id: u64, refs: &[PageRef]) -> Result<Vec<(PageRef, kvmm_store::tier::TierError)>> {
+        let t = &self.config.tiers;
+        let mut scratch = Scratch::default();
+        let mut core = self.core.lock();
+        let Some(s) = core.sessions.get_unchecked(session_id) else { return Ok(Vec::new()) };
+        // Every page of the named layers stays: the client is about to read all of them.
+        let layers: HashSet<u32> = refs.iter().map(|r| r.layer).collect();
+        let mut protect: HashSet<PageRef> = refs.iter().copied().collect();
+        for &layer in &layers {
+            for block in 0..s.pages.allocated_blocks() {
+                protect.insert(PageRef { session: session_id, layer, block });
+            }
+        }
+        let missing: Vec<(PageRef, Place)> = refs
+            .iter()
+            .filter_map(|&r| s.pages.page(r.layer, r.block).map(|p| (r, p.place)))
+            .filter(|(_, place)| !matches!(place, Place::Device(_)))
+            .collect();
+        if missing.is_empty() {
+            return Ok(Vec::new());
+        }
+        let need: u64 =
+            missing.iter().map(|(_, p)| kvmm_store::extent::ExtentAllocator::frame_len(p.footprint())).sum();
+        tiering::make_room(&mut core, self.flash.as_ref(), t.demote_format, need, &protect, &mut scratch)?;
+        for &(r, place) in &missing {
+            if matches!(place, Place::Dram(_)) {
+                tiering::promote_from_dram(&mut core, r, &mut scratch)?;
+            }
+        }
+        let flash_pages: Vec<PageRef> =
+            missing.iter().filter(|(_, p)| matches!(p, Place::Flash(_))).map(|(r, _)| *r).collect();
+        let (Some(flash), false) = (self.flash.as_ref(), flash_pages.is_empty()) else { return Ok(Vec::new()) };
+        let mut inbound = tiering::prepare_flash_reads(&mut core, &flash_pages);
+        drop(core);
+        let read = tiering::read_from_flash(&mut flash.lock(), &mut inbound);
+        let mut core = self.core.lock();
+        tiering::commit_flash_reads(&mut core, flash, inbound, read)
     }
 
     /// Records a prefetch hint for a range of pages; returns (resident, scheduled).
@@ -381,8 +565,20 @@ impl Daemon {
         check_page(s, layers.end - 1, blocks.end - 1)?;
         let n = (layers.end - layers.start) * (blocks.end - blocks.start);
         s.counters.prefetches += u64::from(n);
-        // Every allocated page is on the device tier: nothing to schedule.
-        Ok((n, 0))
+        let mut scheduled = Vec::new();
+        for layer in layers {
+            for block in blocks.clone() {
+                if s.pages.page(layer, block).is_some_and(|p| !matches!(p.place, Place::Device(_))) {
+                    scheduled.push(PageRef { session: session_id, layer, block });
+                }
+            }
+        }
+        let count = scheduled.len() as u32;
+        if count > 0 {
+            core.prefetch_queue.extend(scheduled);
+            self.wake_tiers();
+        }
+        Ok((n - count, count))
     }
 
     /// Turns open-ended ranges (an end of `u32::MAX`, "to the last") into the session's real extents.
@@ -420,6 +616,79 @@ impl Daemon {
         Ok(report)
     }
 
+    /// Moves the full pages of a range of a session down to `to` (DRAM or flash) now; returns
+    /// (pages now there, pages left where they were).
+    pub fn demote(
+        &self,
+        session_id: u64,
+        layers: std::ops::Range<u32>,
+        blocks: std::ops::Range<u32>,
+        to: TierKind,
+    ) -> Result<(u32, u32)> {
+        self.admit()?;
+        let missing = |tier: &str| {
+            Error::FailedPrecondition(format!("kvmmd runs without a {tier} tier; configure tiers.{tier}_budget"))
+        };
+        match to {
+            TierKind::Device => return Err(Error::InvalidArgument("demote to TIER_DRAM or TIER_FLASH".to_owned())),
+            TierKind::Dram if self.config.tiers.dram_budget == 0 => return Err(missing("dram")),
+            TierKind::Flash if self.flash.is_none() => return Err(missing("flash")),
+            _ => {}
+        }
+        let mut core = self.core.lock();
+        let s = core.sessions.get_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
+        if layers.is_empty()
+            || layers.end > s.geometry.layers
+            || blocks.is_empty()
+            || blocks.end > s.pages.allocated_blocks()
+        {
+            return Err(Error::InvalidArgument(format!(
+                "layers {layers:?} × blocks {blocks:?} are out of range: session {session_id} has layers 0..{} and blocks 0..{}",
+                s.geometry.layers,
+                s.pages.allocated_blocks()
+            )));
+        }
+        let refs: Vec<PageRef> = layers
+            .flat_map(|layer| blocks.clone().map(move |block| PageRef { session: session_id, layer, block }))
+            .collect();
+        let on_device: Vec<PageRef> = refs
+            .iter()
+            .filter(|r| s.pages.page(r.layer, r.block).is_some_and(|p| matches!(p.place, Place::Device(_))))
+            .filter(|r| {
+                s.region
+                    .entry(r.layer, r.block)
+                    .is_ok_and(|e| e.tokens_clamped(s.geometry.block_tokens) == s.geometry.block_tokens)
+            })
+            .copied()
+            .collect();
+        tiering::demote_to_dram(&mut core, self.config.tiers.demote_format, &on_device, &mut Scratch::default())?;
+        if let (TierKind::Flash, Some(flash)) = (to, self.flash.as_ref()) {
+            let s = core.sessions.get_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
+            let in_dram: Vec<PageRef> = refs
+                .iter()
+                .filter(|r| s.pages.page(r.layer, r.block).is_some_and(|p| matches!(p.place, Place::Dram(_))))
+                .copied()
+                .collect();
+            let out = tiering::take_from_dram(&mut core, &in_dram)?;
+            drop(core);
+            let written = tiering::write_to_flash(&mut flash.lock(), &out);
+            core = self.core.lock();
+            tiering::commit_to_flash(&mut core, flash, out, written);
+        }
+        let s = core.sessions.get_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
+        let there = refs
+            .iter()
+            .filter(|r| {
+                s.pages.page(r.layer, r.block).is_some_and(|p| match p.place {
+                    Place::Device(_) => false,
+                    Place::Dram(_) => to == TierKind::Dram,
+                    Place::Flash(_) => true,
+                })
+            })
+            .count() as u32;
+        Ok((there, refs.len() as u32 - there))
+    }
+
     /// Daemon-wide status.
     pub fn status(&self) -> Status {
         let core = self.core.lock();
@@ -432,6 +701,13 @@ impl Daemon {
             trust_domains: core.pool.arena_count() as u32,
             moves: core.moves,
             moves_skipped_pinned: core.moves_skipped_pinned,
+            dram: core.dram.as_ref().map(Tier::stats),
+            flash: self.flash.as_ref().map(|f| f.lock().stats()),
+            io_engine: self.io_engine.clone(),
+            tier_counters: core.tier_counters,
+            pages_device: core.sessions.iter().map(|s| s.pages.count_in(TierKind::Device)).sum(),
+            pages_dram: core.sessions.iter().map(|s| s.pages.count_in(TierKind::Dram)).sum(),
+            pages_flash: core.sessions.iter().map(|s| s.pages.count_in(TierKind::Flash)).sum(),
         }
     }
 }
@@ -456,14 +732,31 @@ fn check_page(s: &Session, layer: u32, block: u32) -> Result<()> {
 
 /// Removes a session, zeroes and frees its frames, marks its shared table closed; returns bytes wiped.
 /// Pins do not block this: the client is gone or has asked for it.
-fn destroy(core: &mut Core, id: u64) -> Result<u64> {
+fn destroy(core: &mut Core, flash: Option<&Mutex<FlashFile>>, id: u64) -> Result<u64> {
     let Some(mut s) = core.sessions.remove(id) else { return Ok(0) };
     core.tokens.remove(id);
     s.table.set_status(kvmm_shm::TableStatus::Closed)?;
     let mut bytes = 0;
-    for frame in s.pages.take_all() {
-        bytes += frame.footprint();
-        core.pool.free_frame(s.owner.uid, frame)?;
+    let mut flash_slots = Vec::new();
+    for place in s.pages.take_all() {
+        bytes += place.footprint();
+        match place {
+            Place::Device(frame) => core.pool.free_frame(s.owner.uid, frame)?,
+            Place::Dram(slot) => {
+                if let Some(dram) = core.dram.as_mut() {
+                    dram.free(slot);
+                }
+            }
+            Place::Flash(slot) => flash_slots.push(slot),
+        }
+    }
+    if let (Some(flash), false) = (flash, flash_slots.is_empty()) {
+        let mut flash = flash.lock();
+        for slot in flash_slots {
+            if let Err(e) = flash.discard(slot) {
+                tracing::warn!(session = id, error = %e, "a flash slot was freed but its blocks could not be punched out");
+            }
+        }
     }
     debug_assert_eq!(core.pool.used(), core.pool.used_by_arenas());
     Ok(bytes)

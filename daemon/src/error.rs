@@ -2,6 +2,8 @@
 //! person can act on. `server::status` is the one place that turns a kind into a gRPC code.
 
 use kvmm_shm::{GeometryError, ShmError};
+use kvmm_store::seal::SealErrorKind;
+use kvmm_store::tier::TierError;
 
 /// What kind of failure an [`Error`] is; stable across message changes, mapped to gRPC codes in one place.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -18,6 +20,8 @@ pub enum ErrorKind {
     FailedPrecondition,
     /// The daemon is shutting down.
     Unavailable,
+    /// Stored data failed authentication and is lost.
+    DataLoss,
     /// A bug or an unexpected operating-system failure.
     Internal,
 }
@@ -77,6 +81,9 @@ pub enum Error {
     /// A shared-memory operation failed.
     #[error("shared memory: {0}")]
     Shm(#[from] ShmError),
+    /// A tier below the device failed: full, unauthenticated data, I/O, sealing.
+    #[error(transparent)]
+    Tier(#[from] kvmm_store::tier::TierError),
     /// An unexpected operating-system failure.
     #[error("{what}: {source}")]
     Io {
@@ -98,6 +105,12 @@ impl Error {
             Error::FailedPrecondition(_) => ErrorKind::FailedPrecondition,
             Error::ShuttingDown | Error::Busy(_) => ErrorKind::Unavailable,
             Error::Shm(_) | Error::Kernel(_) | Error::Io { .. } => ErrorKind::Internal,
+            Error::Tier(e) => match e {
+                TierError::Full { .. } => ErrorKind::ResourceExhausted,
+                TierError::DataLoss { .. } => ErrorKind::DataLoss,
+                TierError::Seal(s) if s.kind() == SealErrorKind::KeyMemory => ErrorKind::ResourceExhausted,
+                _ => ErrorKind::Internal,
+            },
         }
     }
 

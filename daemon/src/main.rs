@@ -37,6 +37,21 @@ struct Cli {
     /// Test mode: move random pages between frames continuously.
     #[arg(long, hide = true)]
     debug_move_churn: bool,
+    /// DRAM-tier budget (the daemon's private pool of demoted pages); 0 disables [default: 10%].
+    #[arg(long, value_name = "SIZE")]
+    dram_budget: Option<ByteSize>,
+    /// Flash-tier budget (a preallocated file); 0 disables [default: 0].
+    #[arg(long, value_name = "SIZE")]
+    flash_budget: Option<ByteSize>,
+    /// Directory of the flash file [default: $STATE_DIRECTORY, /var/lib/kvmm as root, else $XDG_STATE_HOME/kvmm].
+    #[arg(long, value_name = "DIR")]
+    flash_dir: Option<PathBuf>,
+    /// I/O engine of the flash tier: auto, io_uring or pread [default: auto].
+    #[arg(long, value_name = "ENGINE")]
+    io_engine: Option<String>,
+    /// Format of demoted pages: q8, q4, q2, k8v4, or none to keep them exact [default: q8].
+    #[arg(long, value_name = "FORMAT")]
+    demote_format: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -63,6 +78,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         log: cli.log,
         compaction_interval_ms: cli.compaction_interval_ms,
         debug_move_churn: cli.debug_move_churn,
+        dram_budget: cli.dram_budget,
+        flash_budget: cli.flash_budget,
+        flash_dir: cli.flash_dir,
+        io_engine: cli.io_engine,
+        demote_format: cli.demote_format,
     };
     let config = file.resolve(overrides, &Environment::from_process()?)?;
     tracing_subscriber::fmt()
@@ -72,7 +92,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         .init();
     let dir = RuntimeDir::acquire(&config.runtime_dir)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let daemon = Daemon::new(config);
+    let daemon = Daemon::new(config)?;
     runtime.block_on(kvmm_daemon::server::run(daemon, dir))?;
     Ok(())
 }

@@ -111,6 +111,19 @@ impl Daemon {
         })
     }
 
+    /// Admin `Demote` of every full page of a session to `tier`.
+    pub fn demote(&self, session_id: u64, tier: kvmm_proto::v1::Tier) -> kvmm_proto::v1::DemoteResponse {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let channel = kvmm_client::connect::channel(&self.dir.path().join("kvmm-admin.sock")).await.unwrap();
+            kvmm_proto::v1::admin_client::AdminClient::new(channel)
+                .demote(kvmm_proto::v1::DemoteRequest { session_id, tier: tier as i32, ..Default::default() })
+                .await
+                .unwrap()
+                .into_inner()
+        })
+    }
+
     /// Admin `Compress` of every full page of a session.
     pub fn compress(&self, session_id: u64, format: kvmm_proto::v1::PageFormat) -> kvmm_proto::v1::CompressResponse {
         self.try_compress(session_id, format).unwrap()

@@ -1,7 +1,9 @@
-//! Three client processes with different geometries share one daemon: every attention output of
-//! every step equals a scalar reference over the same K/V, the daemon's device-tier bytes equal the
-//! sum of the sessions' frames, a fourth client that outgrows the budget gets RESOURCE_EXHAUSTED naming
-//! the tier and the bytes, the three carry on unaffected, and accounting returns to zero when they exit.
+//! Three client processes with different geometries share one daemon whose only tier is the device:
+//! every attention output of every step equals a scalar reference over the same K/V, the daemon's
+//! device-tier bytes equal the sum of the sessions' frames, a fourth client that outgrows the budget
+//! gets RESOURCE_EXHAUSTED naming the tier and the bytes, the three carry on unaffected, and
+//! accounting returns to zero when they exit. (With tiers below, the fourth would demote the others'
+//! pages instead: see `tier_ladder.rs`.)
 
 #![allow(clippy::unwrap_used)]
 
@@ -47,7 +49,7 @@ const GEOMETRIES: [&[&str]; 3] = [
 
 #[test]
 fn three_processes_match_the_reference_and_a_fourth_past_the_budget_is_refused() {
-    let daemon = Daemon::start(&["--device-budget", "16MiB"]);
+    let daemon = Daemon::start(&["--device-budget", "16MiB", "--dram-budget", "0"]);
     let mut workers: Vec<_> = GEOMETRIES
         .iter()
         .map(|g| {

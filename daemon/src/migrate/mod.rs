@@ -1,11 +1,12 @@
-//! Page migration: the move primitive ([`mover`]), recompression in place ([`recompress`]), the
-//! compaction planner and pass ([`compact`]) and the test churn driver ([`churn`]), plus the
-//! background tasks that run them.
+//! Page migration: the move primitive ([`mover`]), recompression in place ([`recompress`]), moves
+//! between tiers ([`tiering`]), the compaction planner and pass ([`compact`]) and the test churn
+//! driver ([`churn`]), plus the background tasks that run them.
 
 pub mod churn;
 pub mod compact;
 pub mod mover;
 pub mod recompress;
+pub mod tiering;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,5 +40,73 @@ pub async fn churn_task(daemon: Arc<Daemon>) {
             tracing::error!(error = %e, "move churn failed");
         }
         tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+}
+
+/// How often the tier task looks at the watermarks when nothing wakes it.
+const TIER_TICK: Duration = Duration::from_millis(20);
+
+/// The tier task, on a thread of its own (flash I/O blocks): carries out prefetch hints, and keeps
+/// the device and the DRAM pool under their high watermarks by demoting their coldest pages down to
+/// the low watermarks. Runs until the daemon shuts down.
+pub fn tier_task(daemon: Arc<Daemon>) {
+    let t = daemon.config.tiers.clone();
+    let mut scratch = tiering::Scratch::default();
+    let none = std::collections::HashSet::new();
+    while !daemon.is_shutting_down() {
+        {
+            let (flag, cv) = &daemon.tier_wanted;
+            let mut wanted = flag.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !*wanted {
+                wanted = cv.wait_timeout(wanted, TIER_TICK).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
+            }
+            *wanted = false;
+        }
+        let queued: Vec<tiering::PageRef> = daemon.core.lock().prefetch_queue.drain(..).collect();
+        let mut sessions: Vec<u64> = queued.iter().map(|r| r.session).collect();
+        sessions.dedup();
+        for session in sessions {
+            let refs: Vec<tiering::PageRef> = queued.iter().filter(|r| r.session == session).copied().collect();
+            if let Err(e) = daemon.promote(session, &refs) {
+                tracing::warn!(session, error = %e, "prefetch failed");
+            }
+        }
+        let device = {
+            let mut core = daemon.core.lock();
+            let budget = core.pool.budget();
+            if core.pool.used() > budget / 100 * u64::from(t.high_watermark) {
+                let need = budget - budget / 100 * u64::from(t.low_watermark);
+                tiering::make_room(&mut core, daemon.flash.as_ref(), t.demote_format, need, &none, &mut scratch)
+            } else {
+                Ok(true)
+            }
+        };
+        if let Err(e) = device {
+            tracing::warn!(error = %e, "background demotion from the device failed");
+        }
+        if let Some(flash) = daemon.flash.as_ref() {
+            let out = {
+                let mut core = daemon.core.lock();
+                let over = core.dram.as_ref().map(kvmm_store::tier::Tier::stats).and_then(|d| {
+                    (d.used > d.budget / 100 * u64::from(t.high_watermark))
+                        .then(|| d.used - d.budget / 100 * u64::from(t.low_watermark))
+                });
+                match over {
+                    Some(bytes) => {
+                        let victims = tiering::pick_victims(&core, tiering::From::Dram, bytes, &none);
+                        tiering::take_from_dram(&mut core, &victims)
+                    }
+                    None => Ok(Vec::new()),
+                }
+            };
+            match out {
+                Ok(out) if !out.is_empty() => {
+                    let written = tiering::write_to_flash(&mut flash.lock(), &out);
+                    tiering::commit_to_flash(&mut daemon.core.lock(), flash, out, written);
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "background demotion to flash failed"),
+            }
+        }
     }
 }

@@ -53,7 +53,10 @@ fn move_inner(core: &mut Core, uid: u32, session_id: u64, layer: u32, block: u32
         pool.free_frame(uid, dst)?;
         return Ok(MoveOutcome::Skipped(MigrateSkip::NotResident));
     };
-    let src = page.frame;
+    let Some(src) = page.frame() else {
+        pool.free_frame(uid, dst)?;
+        return Ok(MoveOutcome::Skipped(MigrateSkip::NotResident));
+    };
     if src.len != dst.len {
         // The page changed size since the caller sized `dst` (it was recompressed): try again later.
         pool.free_frame(uid, dst)?;
@@ -85,7 +88,7 @@ fn move_inner(core: &mut Core, uid: u32, session_id: u64, layer: u32, block: u32
             tier: PageLocation::TIER_DEVICE,
         },
     );
-    s.pages.replace(layer, block, dst);
+    s.pages.replace(layer, block, crate::session::page_table::Place::Device(dst));
     s.counters.moves += 1;
     pool.free_frame(uid, src)?;
     Ok(MoveOutcome::Moved)

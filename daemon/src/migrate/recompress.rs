@@ -27,6 +27,8 @@ pub struct RecompressReport {
     pub skipped_not_full: u32,
     /// Pages skipped because they are already at or below the target format.
     pub skipped_already: u32,
+    /// Pages skipped because they are not in the device tier (demoted pages keep their format).
+    pub skipped_not_resident: u32,
     /// Pages skipped because their bytes could not be encoded (e.g. NaN written by the client).
     pub skipped_invalid: u32,
     /// Frame bytes of the compressed pages before.
@@ -78,6 +80,10 @@ pub fn recompress(
     for layer in layers {
         for block in blocks.clone() {
             let Some(page) = s.pages.page(layer, block) else { continue };
+            let Some(frame) = page.frame() else {
+                report.skipped_not_resident += 1;
+                continue;
+            };
             if rank(page.format) <= rank(to) {
                 report.skipped_already += 1;
                 continue;
@@ -100,13 +106,12 @@ pub fn recompress(
                 }
             };
             let Scratch { src, dst } = scratch;
-            src.resize(page.frame.len as usize, 0);
+            src.resize(frame.len as usize, 0);
             dst.resize(new_len as usize, 0);
-            let encoded =
-                arena.mapping().read_at(page.frame.offset as usize, src).map_err(Error::from).and_then(|()| {
-                    kvmm_kernels::requantize(shape, g.format(), page.format, src, tokens as usize, to, dst)
-                        .map_err(Error::from)
-                });
+            let encoded = arena.mapping().read_at(frame.offset as usize, src).map_err(Error::from).and_then(|()| {
+                kvmm_kernels::requantize(shape, g.format(), page.format, src, tokens as usize, to, dst)
+                    .map_err(Error::from)
+            });
             match encoded {
                 Ok(()) => {}
                 Err(Error::Kernel(e)) => {
@@ -120,7 +125,7 @@ pub fn recompress(
                     return Err(e);
                 }
             }
-            if let Err(e) = arena.mapping().write_at(page.frame.offset as usize, dst) {
+            if let Err(e) = arena.mapping().write_at(frame.offset as usize, dst) {
                 // `write_at` checks its range before writing a byte, so the old page is intact.
                 entry.abort_migrate(ticket);
                 return Err(e.into());
@@ -128,16 +133,16 @@ pub fn recompress(
             entry.finish_migrate(
                 ticket,
                 PageLocation {
-                    offset: page.frame.offset,
+                    offset: frame.offset,
                     len: new_len as u32,
                     format: to.as_u8(),
                     tier: PageLocation::TIER_DEVICE,
                 },
             );
-            let shrunk = pool.shrink_frame(uid, page.frame, new_len)?;
-            s.pages.recompressed(layer, block, shrunk, to);
+            let shrunk = pool.shrink_frame(uid, frame, new_len)?;
+            s.pages.set(layer, block, crate::session::page_table::Place::Device(shrunk), to);
             report.compressed += 1;
-            report.bytes_before += page.frame.footprint();
+            report.bytes_before += frame.footprint();
             report.bytes_after += shrunk.footprint();
         }
     }

@@ -84,17 +84,72 @@ impl pb::admin_server::Admin for AdminService {
         }))
     }
 
+    async fn demote(&self, req: Request<pb::DemoteRequest>) -> Result<Response<pb::DemoteResponse>, Status> {
+        self.authorize(caller(&req)?)?;
+        let r = req.into_inner();
+        let span = tracing::debug_span!("Demote", session = r.session_id);
+        let to = match pb::Tier::try_from(r.tier) {
+            Ok(pb::Tier::Dram) => kvmm_store::tier::TierKind::Dram,
+            Ok(pb::Tier::Flash) => kvmm_store::tier::TierKind::Flash,
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "tier {} is not a tier to demote to; use TIER_DRAM or TIER_FLASH",
+                    r.tier
+                ))
+                .into());
+            }
+        };
+        let layers = r.first_layer..if r.layers == 0 { u32::MAX } else { r.first_layer.saturating_add(r.layers) };
+        let blocks = r.first_block..if r.blocks == 0 { u32::MAX } else { r.first_block.saturating_add(r.blocks) };
+        let (layers, blocks) = self.daemon.clamp_ranges(r.session_id, layers, blocks)?;
+        let daemon = self.daemon.clone();
+        let (demoted, skipped) =
+            tokio::task::spawn_blocking(move || span.in_scope(|| daemon.demote(r.session_id, layers, blocks, to)))
+                .await
+                .map_err(|e| Status::internal(format!("the demote task failed: {e}")))??;
+        Ok(Response::new(pb::DemoteResponse { demoted, skipped }))
+    }
+
     async fn status(&self, req: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
         self.authorize(caller(&req)?)?;
         let s = self.daemon.status();
+        let mut tiers = vec![pb::TierStatus {
+            tier: DEVICE_TIER.to_owned(),
+            budget_bytes: s.budget,
+            used_bytes: s.used,
+            free_bytes: s.budget - s.used,
+            frames: s.frames,
+            pages: s.pages_device,
+            ..Default::default()
+        }];
+        for (name, stats, pages) in [("dram", s.dram, s.pages_dram), ("flash", s.flash, s.pages_flash)] {
+            if let Some(t) = stats {
+                tiers.push(pb::TierStatus {
+                    tier: name.to_owned(),
+                    budget_bytes: t.budget,
+                    used_bytes: t.used,
+                    free_bytes: t.budget - t.used,
+                    frames: 0,
+                    pages,
+                    pages_in: t.pages_in,
+                    pages_out: t.pages_out,
+                    auth_failures: t.auth_failures,
+                    io_failures: t.io_failures,
+                });
+            }
+        }
+        let (io_engine, io_fallback) = match &s.io_engine {
+            Some((kind, fallback)) => (kind.name().to_owned(), fallback.clone().unwrap_or_default()),
+            None => (String::new(), String::new()),
+        };
         Ok(Response::new(pb::StatusResponse {
-            tiers: vec![pb::TierStatus {
-                tier: DEVICE_TIER.to_owned(),
-                budget_bytes: s.budget,
-                used_bytes: s.used,
-                free_bytes: s.budget - s.used,
-                frames: s.frames,
-            }],
+            tiers,
+            io_engine,
+            io_fallback,
+            demoted_to_dram: s.tier_counters.demoted_to_dram,
+            demoted_to_flash: s.tier_counters.demoted_to_flash,
+            promoted_from_dram: s.tier_counters.promoted_from_dram,
+            promoted_from_flash: s.tier_counters.promoted_from_flash,
             sessions: s.sessions,
             trust_domains: s.trust_domains,
             pages_moved: s.moves,

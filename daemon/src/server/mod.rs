@@ -80,6 +80,13 @@ pub async fn run(daemon: Arc<Daemon>, dir: RuntimeDir) -> Result<()> {
     if let Some(interval) = daemon.config.compaction_interval {
         background.push(tokio::spawn(crate::migrate::compaction_task(daemon.clone(), interval)));
     }
+    if daemon.config.tiers.any() {
+        let daemon = daemon.clone();
+        std::thread::Builder::new()
+            .name("kvmm-tiers".into())
+            .spawn(move || crate::migrate::tier_task(daemon))
+            .map_err(|e| Error::io("cannot start the tier thread", e))?;
+    }
     if daemon.config.debug_move_churn {
         tracing::warn!("debug move churn is on: pages are moved continuously (a test mode)");
         background.push(tokio::spawn(crate::migrate::churn_task(daemon.clone())));
@@ -95,6 +102,7 @@ pub async fn run(daemon: Arc<Daemon>, dir: RuntimeDir) -> Result<()> {
 
     tracing::info!("shutting down: no new work is admitted");
     daemon.begin_shutdown();
+    daemon.wake_tiers();
     let _ = stop_tx.send(true);
     let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
         let _ = session_server.await;

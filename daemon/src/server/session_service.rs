@@ -121,8 +121,13 @@ impl pb::session_server::Session for SessionService {
     async fn extend(&self, req: Request<pb::ExtendRequest>) -> Result<Response<pb::ExtendResponse>, Status> {
         let who = caller(&req)?;
         let r = req.into_inner();
-        let _span = tracing::debug_span!("Extend", session = r.session_id).entered();
-        let (allocated_blocks, device_bytes) = self.daemon.extend(who, r.session_id, r.blocks)?;
+        let span = tracing::debug_span!("Extend", session = r.session_id);
+        // Extend may demote pages to make room, which can wait on flash I/O: off the async workers.
+        let daemon = self.daemon.clone();
+        let (allocated_blocks, device_bytes) =
+            tokio::task::spawn_blocking(move || span.in_scope(|| daemon.extend(who, r.session_id, r.blocks)))
+                .await
+                .map_err(|e| Status::internal(format!("the extend task failed: {e}")))??;
         Ok(Response::new(pb::ExtendResponse { allocated_blocks, device_bytes }))
     }
 
@@ -139,9 +144,14 @@ impl pb::session_server::Session for SessionService {
     async fn fault(&self, req: Request<pb::FaultRequest>) -> Result<Response<pb::FaultResponse>, Status> {
         let who = caller(&req)?;
         let r = req.into_inner();
-        let _span = tracing::debug_span!("Fault", session = r.session_id, pages = r.pages.len()).entered();
+        let span = tracing::debug_span!("Fault", session = r.session_id, pages = r.pages.len());
         let pages: Vec<(u32, u32)> = r.pages.iter().map(|p| (p.layer, p.block)).collect();
-        let out = self.daemon.fault(who, r.session_id, &pages)?;
+        // Promotion reads flash and may demote other pages: off the async workers.
+        let daemon = self.daemon.clone();
+        let session_id = r.session_id;
+        let out = tokio::task::spawn_blocking(move || span.in_scope(|| daemon.fault(who, session_id, &pages)))
+            .await
+            .map_err(|e| Status::internal(format!("the fault task failed: {e}")))??;
         Ok(Response::new(pb::FaultResponse {
             pages: out
                 .into_iter()
@@ -182,6 +192,11 @@ impl pb::session_server::Session for SessionService {
             pages_moved: s.counters.moves,
             faults: s.counters.faults,
             prefetches: s.counters.prefetches,
+            dram_bytes: s.dram_bytes,
+            flash_bytes: s.flash_bytes,
+            device_pages: s.pages[0] as u32,
+            dram_pages: s.pages[1] as u32,
+            flash_pages: s.pages[2] as u32,
         }))
     }
 }

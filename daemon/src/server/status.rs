@@ -15,6 +15,7 @@ pub fn code(kind: ErrorKind) -> Code {
         ErrorKind::FailedPrecondition => Code::FailedPrecondition,
         ErrorKind::Unavailable => Code::Unavailable,
         ErrorKind::Internal => Code::Internal,
+        ErrorKind::DataLoss => Code::DataLoss,
     }
 }
 

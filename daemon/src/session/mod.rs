@@ -4,9 +4,12 @@
 pub mod page_table;
 pub mod registry;
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use kvmm_shm::{ClientRegion, Geometry, Memfd, SessionTable};
+use kvmm_store::seal::SessionKey;
 
 pub use page_table::PageTable;
 pub use registry::Registry;
@@ -75,9 +78,31 @@ pub struct Session {
     pub counters: Counters,
     /// When the session was attached.
     pub attached_at: Instant,
+    /// The key that seals this session's pages outside the device (in locked memory; zeroized when
+    /// the last holder drops it: the session, or a move in flight). `None` when no tier seals.
+    pub key: Option<Arc<SessionKey>>,
+    /// Pages promoted recently, with when: victim selection leaves them alone for a moment.
+    pub recent: HashMap<(u32, u32), Instant>,
 }
 
 impl Session {
+    /// Whether page `(layer, block)` was promoted within [`crate::migrate::tiering::HOT_AFTER_FAULT`]
+    /// of `now`.
+    pub fn hot(&self, layer: u32, block: u32, now: Instant) -> bool {
+        self.recent
+            .get(&(layer, block))
+            .is_some_and(|&t| now.duration_since(t) < crate::migrate::tiering::HOT_AFTER_FAULT)
+    }
+
+    /// Records that page `(layer, block)` was just promoted (and forgets promotions long past).
+    pub fn mark_hot(&mut self, layer: u32, block: u32) {
+        let now = Instant::now();
+        if self.recent.len() > 4096 {
+            self.recent.retain(|_, t| now.duration_since(*t) < crate::migrate::tiering::HOT_AFTER_FAULT);
+        }
+        self.recent.insert((layer, block), now);
+    }
+
     /// Tokens the client has published, taken as the minimum over layers (a layer is only complete
     /// up to its own count). Client-written values are clamped to the page size.
     pub fn tokens(&self) -> u64 {

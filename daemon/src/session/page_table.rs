@@ -1,21 +1,67 @@
-//! A session's authoritative page table: `[layer][block] -> (Frame, Format)`, in the daemon's own
-//! memory.
+//! A session's authoritative page table: `[layer][block] -> (Place, Format)`, in the daemon's own
+//! memory. A page lives in exactly one tier: a device frame the client maps, a DRAM slot or a flash
+//! slot.
 //!
 //! The shared session table is a view the daemon publishes from this; the daemon never reads a
 //! location back from shared memory. Blocks are allocated for every layer at once (`Extend`), so
 //! `allocated_blocks` is the same for all layers and blocks `0..allocated_blocks` all have frames.
 
 use kvmm_kernels::Format;
+use kvmm_store::dram::DramSlot;
+use kvmm_store::flash::FlashSlot;
+use kvmm_store::tier::TierKind;
 
 use crate::pool::Frame;
+
+/// Where a page's bytes are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// A frame of the owner's arena: resident, clients read it.
+    Device(Frame),
+    /// A slot of the daemon's DRAM pool.
+    Dram(DramSlot),
+    /// A slot of the flash file.
+    Flash(FlashSlot),
+}
+
+impl Place {
+    /// The tier.
+    pub fn tier(&self) -> TierKind {
+        match self {
+            Place::Device(_) => TierKind::Device,
+            Place::Dram(_) => TierKind::Dram,
+            Place::Flash(_) => TierKind::Flash,
+        }
+    }
+
+    /// Bytes the page takes in its tier (as allocated).
+    pub fn footprint(&self) -> u64 {
+        match self {
+            Place::Device(f) => f.footprint(),
+            Place::Dram(s) => s.extent,
+            Place::Flash(s) => s.extent,
+        }
+    }
+}
 
 /// Where a page lives and how it is encoded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Page {
-    /// Its frame.
-    pub frame: Frame,
-    /// Its format (f16/bf16 when written; lower after recompression, never higher again).
+    /// Its place.
+    pub place: Place,
+    /// Its format (f16/bf16 when written; lower after recompression or a compressing demotion,
+    /// never higher again).
     pub format: Format,
+}
+
+impl Page {
+    /// The device frame, if the page is resident.
+    pub fn frame(&self) -> Option<Frame> {
+        match self.place {
+            Place::Device(f) => Some(f),
+            _ => None,
+        }
+    }
 }
 
 /// The page table of one session.
@@ -65,25 +111,24 @@ impl PageTable {
         self.index(layer, block).and_then(|i| self.pages[i])
     }
 
-    /// The frame of a page, if allocated.
+    /// The device frame of a page, if allocated and resident.
     pub fn frame(&self, layer: u32, block: u32) -> Option<Frame> {
-        self.page(layer, block).map(|p| p.frame)
+        self.page(layer, block).and_then(|p| p.frame())
     }
 
-    /// Replaces the frame of an allocated page (a move, same format); returns the old frame.
-    pub fn replace(&mut self, layer: u32, block: u32, frame: Frame) -> Option<Frame> {
+    /// Replaces the place of an allocated page, keeping its format (a move); returns the old place.
+    pub fn replace(&mut self, layer: u32, block: u32, place: Place) -> Option<Place> {
         let i = self.index(layer, block)?;
         let page = self.pages[i].as_mut()?;
-        Some(std::mem::replace(&mut page.frame, frame))
+        Some(std::mem::replace(&mut page.place, place))
     }
 
-    /// Records that an allocated page now lives in `frame` encoded as `format` (recompression).
-    pub fn recompressed(&mut self, layer: u32, block: u32, frame: Frame, format: Format) {
-        if let Some(i) = self.index(layer, block)
-            && let Some(page) = self.pages[i].as_mut()
-        {
-            *page = Page { frame, format };
-        }
+    /// Records that an allocated page now lives at `place` encoded as `format` (recompression, or a
+    /// demotion that compressed it); returns the old page.
+    pub fn set(&mut self, layer: u32, block: u32, place: Place, format: Format) -> Option<Page> {
+        let i = self.index(layer, block)?;
+        let page = self.pages[i].as_mut()?;
+        Some(std::mem::replace(page, Page { place, format }))
     }
 
     /// Records `frames`, ordered layer-major (all new blocks of layer 0, then of layer 1, ...), as the
@@ -95,27 +140,43 @@ impl PageTable {
             let layer = i as u32 / blocks;
             let block = first + i as u32 % blocks;
             if let Some(idx) = self.index(layer, block) {
-                self.pages[idx] = Some(Page { frame: *frame, format });
+                self.pages[idx] = Some(Page { place: Place::Device(*frame), format });
             }
         }
         self.allocated_blocks += blocks;
     }
 
-    /// Every allocated page with its frame.
+    /// Every resident page with its device frame.
     pub fn pages(&self) -> impl Iterator<Item = (u32, u32, Frame)> + '_ {
         (0..self.layers)
             .flat_map(move |l| (0..self.allocated_blocks).filter_map(move |b| self.frame(l, b).map(|f| (l, b, f))))
     }
 
-    /// Removes every frame and returns them (session destruction).
-    pub fn take_all(&mut self) -> Vec<Frame> {
-        self.allocated_blocks = 0;
-        self.pages.iter_mut().filter_map(Option::take).map(|p| p.frame).collect()
+    /// Every allocated page, wherever it is.
+    pub fn all(&self) -> impl Iterator<Item = (u32, u32, Page)> + '_ {
+        (0..self.layers)
+            .flat_map(move |l| (0..self.allocated_blocks).filter_map(move |b| self.page(l, b).map(|p| (l, b, p))))
     }
 
-    /// Sum of frame footprints.
+    /// Removes every page and returns where each was (session destruction).
+    pub fn take_all(&mut self) -> Vec<Place> {
+        self.allocated_blocks = 0;
+        self.pages.iter_mut().filter_map(Option::take).map(|p| p.place).collect()
+    }
+
+    /// Sum of device frame footprints.
     pub fn bytes(&self) -> u64 {
-        self.pages.iter().flatten().map(|p| p.frame.footprint()).sum()
+        self.bytes_in(TierKind::Device)
+    }
+
+    /// Sum of the footprints of the pages in `tier`.
+    pub fn bytes_in(&self, tier: TierKind) -> u64 {
+        self.pages.iter().flatten().filter(|p| p.place.tier() == tier).map(|p| p.place.footprint()).sum()
+    }
+
+    /// Number of pages in `tier`.
+    pub fn count_in(&self, tier: TierKind) -> u64 {
+        self.pages.iter().flatten().filter(|p| p.place.tier() == tier).count() as u64
     }
 }
 
@@ -135,9 +196,12 @@ mod tests {
         assert_eq!(t.frame(0, 2), Some(f(256)));
         assert_eq!(t.frame(1, 2), Some(f(320)));
         assert_eq!(t.page(0, 2).map(|p| p.format), Some(Format::F16));
-        t.recompressed(1, 2, Frame { offset: 320, len: 32 }, Format::Q8);
-        assert_eq!(t.page(1, 2), Some(Page { frame: Frame { offset: 320, len: 32 }, format: Format::Q8 }));
-        assert_eq!(t.replace(1, 2, f(384)), Some(Frame { offset: 320, len: 32 }));
+        t.set(1, 2, Place::Device(Frame { offset: 320, len: 32 }), Format::Q8);
+        assert_eq!(
+            t.page(1, 2),
+            Some(Page { place: Place::Device(Frame { offset: 320, len: 32 }), format: Format::Q8 })
+        );
+        assert_eq!(t.replace(1, 2, Place::Device(f(384))), Some(Place::Device(Frame { offset: 320, len: 32 })));
         assert_eq!(t.page(1, 2).map(|p| p.format), Some(Format::Q8), "a move keeps the format");
         assert_eq!(t.allocated_blocks(), 3);
         assert_eq!(t.pages().count(), 6);

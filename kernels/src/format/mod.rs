@@ -133,6 +133,11 @@ impl Format {
             Format::K8V4 => "k8v4",
         }
     }
+
+    /// The format named `name` (as [`Format::name`] writes it), if any.
+    pub fn from_name(name: &str) -> Option<Format> {
+        Format::ALL.into_iter().find(|f| f.name() == name)
+    }
 }
 
 impl fmt::Display for Format {

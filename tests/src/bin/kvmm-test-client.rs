@@ -11,7 +11,9 @@
 //!   attention on every layer at every step, print `appended ...`, then obey commands: `check K`,
 //!   `append K`, `loop` (attention rounds until `stop`), `stats`, `exit`. Pages the daemon has
 //!   recompressed are checked against this process's own K/V passed through the same quantizer
-//!   (through the `--requantized-from` format first, when pages step down from it).
+//!   (through the `--requantized-from` format first, when pages step down from it). `digest` prints
+//!   a digest of the exact bits of every layer's output for a fixed query; `prefetch` hints every
+//!   page of the session.
 //! - `append-forever [geometry]`: append and attend until killed, printing `progress tokens=T`.
 //! - `raw-attach [geometry] [--fetch]`: Attach over gRPC without the library; print the session id
 //!   and token (and, with --fetch, the received arena's inode), then wait for `exit`.
@@ -251,6 +253,29 @@ impl Checked {
         );
     }
 
+    /// Attention of every layer for a fixed query, and a digest of the outputs' exact bits: equal
+    /// digests mean bit-identical outputs (the lossless tier ladder).
+    fn digest(&mut self) {
+        let g = self.g;
+        let n = (g.q_heads * g.head_dim) as usize;
+        let q = Rng(0x5eed).vec(n);
+        let mut hash = 0xcbf2_9ce4_8422_2325u64;
+        for layer in 0..g.layers {
+            let mut out = vec![0f32; n];
+            self.session.attention(layer, &q, &mut out).unwrap_or_else(|e| die(e));
+            for x in out {
+                for b in x.to_bits().to_le_bytes() {
+                    hash = (hash ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+                }
+            }
+        }
+        let s = self.session.stats().unwrap_or_else(|e| die(e));
+        println!(
+            "digest value={hash:016x} faults={} device_pages={} dram_pages={} flash_pages={}",
+            s.faults, s.pages[0], s.pages[1], s.pages[2]
+        );
+    }
+
     fn round(&mut self) {
         for layer in 0..self.g.layers {
             self.attend(layer);
@@ -265,14 +290,19 @@ impl Checked {
             .map(|(f, n)| format!("{}:{n}", kvmm_kernels::format::Format::from_u8(*f).map_or("?", |f| f.name())))
             .collect();
         println!(
-            "{what} session={} tokens={} device_bytes={} moved={} attentions={} worst_rel_err={:e} formats_seen={}",
+            "{what} session={} tokens={} device_bytes={} moved={} attentions={} worst_rel_err={:e} formats_seen={} \
+             faults={} device_pages={} dram_pages={} flash_pages={}",
             self.session.id(),
             s.tokens,
             s.device_bytes,
             s.pages_moved,
             self.attentions,
             self.worst,
-            seen.join(",")
+            seen.join(","),
+            s.faults,
+            s.pages[0],
+            s.pages[1],
+            s.pages[2]
         );
     }
 }
@@ -359,6 +389,12 @@ fn run(a: &Args, forever: bool) {
                 }
             }
             (Some("stats"), _) => c.report("stats"),
+            (Some("digest"), _) => c.digest(),
+            (Some("prefetch"), _) => {
+                let blocks = c.session.allocated_blocks();
+                let (resident, scheduled) = c.session.prefetch(0..g.layers, 0..blocks).unwrap_or_else(|e| die(e));
+                println!("prefetched resident={resident} scheduled={scheduled}");
+            }
             (Some("exit"), _) => break,
             _ => println!("unknown command {line}"),
         }

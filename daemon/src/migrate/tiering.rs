@@ -1,0 +1,472 @@
+//! Moving pages between tiers: demotion (device → DRAM → flash) and promotion (faults), each step
+//! through the pin/migrate protocol so clients keep running.
+//!
+//! - **Device → DRAM** ([`demote_to_dram`]): claim the page (a pinned page is skipped), read its
+//!   frame, encode a full 16-bit page in the demotion format (q8 by default; `None` keeps it
+//!   bit-exact), store it in the pool (sealed when configured), publish it evicted (`ALLOCATED`
+//!   without `RESIDENT`, so clients fault it back), free the frame.
+//! - **DRAM → flash**, in three phases so flash I/O never runs under the core lock:
+//!   [`take_from_dram`] copies the pages out of the pool (core lock), [`write_to_flash`] seals and
+//!   writes them (flash lock only), [`commit_to_flash`] switches every page that is still where it
+//!   was to its flash slot and frees the DRAM slot (core lock, then flash lock); a page promoted or
+//!   destroyed in between keeps its new state and its flash slot is returned.
+//! - **Promotion**: DRAM pages are copied into a fresh frame under the core lock
+//!   ([`promote_from_dram`]); flash pages get their frame under the core lock ([`prepare_flash_reads`]),
+//!   are read and authenticated under the flash lock alone ([`read_from_flash`]) and published under
+//!   the core lock ([`commit_flash_reads`]). A page is published resident only with bytes that
+//!   passed authentication; a tag failure frees the frame and reports `DATA_LOSS` for that page.
+//! - **Room** ([`make_room`]): frees device bytes by demoting the coldest pages (and DRAM bytes by
+//!   pushing its coldest pages to flash), never touching protected pages.
+//!
+//! Lock order: core, then flash. Nothing holds the flash lock while taking the core lock.
+//!
+//! Victims ([`pick_victims`]): full pages only (a client writes its tail page in place), a page
+//! promoted in the last [`HOT_AFTER_FAULT`] only when nothing else can go, ordered batch sessions
+//! first, then background, then foreground, and within a class by the attention mass the client's
+//! kernels record (least first), older blocks first.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvmm_kernels::Format;
+use kvmm_shm::PageLocation;
+use kvmm_store::dram::DramSlot;
+use kvmm_store::flash::{FlashFile, FlashSlot};
+use kvmm_store::seal::SessionKey;
+use kvmm_store::tier::{PageId, PageRead, PageWrite, Tier, TierError, TierKind};
+use parking_lot::Mutex;
+
+use crate::daemon::Core;
+use crate::error::{Error, Result};
+use crate::pool::Frame;
+use crate::session::page_table::Place;
+use crate::session::{Priority, Session};
+
+/// A page promoted this recently is demoted again only when nothing else can go: the client that
+/// faulted it is about to pin it.
+pub const HOT_AFTER_FAULT: Duration = Duration::from_millis(20);
+
+/// One page of one session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PageRef {
+    pub session: u64,
+    pub layer: u32,
+    pub block: u32,
+}
+
+impl PageRef {
+    fn id(self) -> PageId {
+        PageId { session: self.session, layer: self.layer, block: self.block }
+    }
+}
+
+/// Daemon-wide tier traffic, for stats.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierCounters {
+    /// Pages moved device → DRAM, DRAM → flash.
+    pub demoted_to_dram: u64,
+    pub demoted_to_flash: u64,
+    /// Pages promoted from DRAM and from flash.
+    pub promoted_from_dram: u64,
+    pub promoted_from_flash: u64,
+    /// Demotions skipped because a client held a pin.
+    pub skipped_pinned: u64,
+    /// Pages that failed authentication.
+    pub data_loss: u64,
+}
+
+/// Reused buffers of demotion and DRAM promotion.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+/// Which tier [`pick_victims`] looks in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum From {
+    Device,
+    Dram,
+}
+
+/// The coldest pages in `from` whose footprints add up to at least `bytes` (fewer if there are not
+/// enough), leaving out `protect`, and pages promoted within [`HOT_AFTER_FAULT`] unless the others
+/// are not enough.
+pub fn pick_victims(core: &Core, from: From, bytes: u64, protect: &HashSet<PageRef>) -> Vec<PageRef> {
+    let cold = pick(core, from, bytes, protect, true);
+    let total: u64 = cold.iter().filter_map(|r| footprint(core, *r)).sum();
+    if total >= bytes { cold } else { pick(core, from, bytes, protect, false) }
+}
+
+fn pick(core: &Core, from: From, bytes: u64, protect: &HashSet<PageRef>, spare_hot: bool) -> Vec<PageRef> {
+    let now = Instant::now();
+    let mut candidates: Vec<(u8, f32, u32, PageRef, u64)> = Vec::new();
+    for s in core.sessions.iter() {
+        let class = match s.priority {
+            Priority::Batch => 0,
+            Priority::Background => 1,
+            Priority::Foreground => 2,
+        };
+        let bt = s.geometry.block_tokens;
+        for (layer, block, page) in s.pages.all() {
+            let wanted = matches!((from, page.place), (From::Device, Place::Device(_)) | (From::Dram, Place::Dram(_)));
+            let r = PageRef { session: s.id, layer, block };
+            if !wanted || protect.contains(&r) || (spare_hot && s.hot(layer, block, now)) {
+                continue;
+            }
+            let Ok(client) = s.region.entry(layer, block) else { continue };
+            if client.tokens_clamped(bt) < bt {
+                continue;
+            }
+            candidates.push((class, client.importance_clamped(), block, r, page.place.footprint()));
+        }
+    }
+    candidates.sort_by(|a, b| (a.0, a.1, a.2).partial_cmp(&(b.0, b.1, b.2)).unwrap_or(std::cmp::Ordering::Equal));
+    let mut total = 0;
+    let mut out = Vec::new();
+    for (_, _, _, r, footprint) in candidates {
+        if total >= bytes {
+            break;
+        }
+        total += footprint;
+        out.push(r);
+    }
+    out
+}
+
+/// Moves `pages` from the device to the DRAM pool (module doc); returns how many moved. Stops at
+/// the first page the pool has no room for.
+pub fn demote_to_dram(
+    core: &mut Core,
+    format: Option<Format>,
+    pages: &[PageRef],
+    scratch: &mut Scratch,
+) -> Result<u32> {
+    let Core { pool, sessions, dram, tier_counters, .. } = core;
+    let Some(dram) = dram.as_mut() else { return Ok(0) };
+    let mut moved = 0;
+    for &r in pages {
+        let Some(s) = sessions.get_mut_unchecked(r.session) else { continue };
+        let Some(page) = s.pages.page(r.layer, r.block) else { continue };
+        let Some(frame) = page.frame() else { continue };
+        let g = s.geometry;
+        let shape = g.page_shape();
+        let tokens = s.region.entry(r.layer, r.block)?.tokens_clamped(g.block_tokens);
+        let target = match format {
+            Some(f) if !page.format.is_quantized() && tokens == g.block_tokens => f,
+            _ => page.format,
+        };
+        let entry = s.table.entry_writer(r.layer, r.block)?;
+        let client = s.region.entry(r.layer, r.block)?;
+        let uid = s.owner.uid;
+        let arena = pool.arena(uid).ok_or_else(|| Error::FailedPrecondition(format!("uid {uid} has no arena")))?;
+        let ticket = match entry.try_begin_migrate(client) {
+            Ok(t) => t,
+            Err(_) => {
+                tier_counters.skipped_pinned += 1;
+                continue;
+            }
+        };
+        // From here every path finishes or aborts the migration.
+        let Scratch { src, dst } = scratch;
+        src.resize(frame.len as usize, 0);
+        if let Err(e) = arena.mapping().read_at(frame.offset as usize, src) {
+            entry.abort_migrate(ticket);
+            return Err(e.into());
+        }
+        let (bytes, format): (&[u8], Format) = if target == page.format {
+            (src, page.format)
+        } else {
+            dst.resize(shape.page_bytes(target), 0);
+            match kvmm_kernels::requantize(shape, g.format(), page.format, src, tokens as usize, target, dst) {
+                Ok(()) => (dst, target),
+                // Bytes the quantizer refuses (NaN written by the client) travel as they are.
+                Err(_) => (src, page.format),
+            }
+        };
+        let stored = dram.put(&[PageWrite { key: s.key.as_deref(), page: r.id(), bytes }]).remove(0);
+        let slot = match stored {
+            Ok(slot) => slot,
+            Err(TierError::Full { .. }) => {
+                entry.abort_migrate(ticket);
+                break;
+            }
+            Err(e) => {
+                entry.abort_migrate(ticket);
+                return Err(e.into());
+            }
+        };
+        entry.finish_evict(ticket);
+        s.pages.set(r.layer, r.block, Place::Dram(slot), format);
+        pool.free_frame(uid, frame)?;
+        tier_counters.demoted_to_dram += 1;
+        moved += 1;
+    }
+    Ok(moved)
+}
+
+/// A page on its way from DRAM to flash.
+#[derive(Debug)]
+pub struct Outbound {
+    page: PageRef,
+    slot: DramSlot,
+    bytes: Vec<u8>,
+    key: Arc<SessionKey>,
+}
+
+/// DRAM → flash, phase 1 (core lock): copies `pages` out of the pool. Pages whose session has no
+/// key (no flash tier was configured at attach) stay where they are.
+pub fn take_from_dram(core: &mut Core, pages: &[PageRef]) -> Result<Vec<Outbound>> {
+    let Core { sessions, dram, tier_counters, .. } = core;
+    let Some(dram) = dram.as_mut() else { return Ok(Vec::new()) };
+    let mut out = Vec::with_capacity(pages.len());
+    for &r in pages {
+        let Some(s) = sessions.get_unchecked(r.session) else { continue };
+        let (Some(page), Some(key)) = (s.pages.page(r.layer, r.block), s.key.clone()) else { continue };
+        let Place::Dram(slot) = page.place else { continue };
+        let mut bytes = vec![0u8; slot.len as usize];
+        let got = dram.get(&mut [PageRead { key: Some(&key), page: r.id(), slot, out: &mut bytes }]).remove(0);
+        match got {
+            Ok(()) => out.push(Outbound { page: r, slot, bytes, key }),
+            Err(e) if e.is_data_loss() => {
+                tier_counters.data_loss += 1;
+                tracing::error!(session = r.session, layer = r.layer, block = r.block, error = %e, "DRAM page lost");
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(out)
+}
+
+/// DRAM → flash, phase 2 (flash lock only): seals and writes the pages.
+pub fn write_to_flash(flash: &mut FlashFile, out: &[Outbound]) -> Vec<Result<FlashSlot, TierError>> {
+    let writes: Vec<PageWrite<'_>> =
+        out.iter().map(|o| PageWrite { key: Some(&o.key), page: o.page.id(), bytes: &o.bytes }).collect();
+    flash.put(&writes)
+}
+
+/// DRAM → flash, phase 3 (core lock, then flash lock): every page still in the DRAM slot it was
+/// taken from now lives in its flash slot; the rest give their flash slot back. Returns pages moved.
+pub fn commit_to_flash(
+    core: &mut Core,
+    flash: &Mutex<FlashFile>,
+    out: Vec<Outbound>,
+    written: Vec<Result<FlashSlot, TierError>>,
+) -> u32 {
+    let Core { sessions, dram, tier_counters, .. } = core;
+    let mut moved = 0;
+    let mut orphans = Vec::new();
+    for (o, w) in out.into_iter().zip(written) {
+        let slot = match w {
+            Ok(slot) => slot,
+            Err(e) => {
+                tracing::warn!(session = o.page.session, error = %e, "page stays in DRAM: the flash write failed");
+                continue;
+            }
+        };
+        let still = sessions
+            .get_mut_unchecked(o.page.session)
+            .filter(|s| s.pages.page(o.page.layer, o.page.block).is_some_and(|p| p.place == Place::Dram(o.slot)));
+        match (still, dram.as_mut()) {
+            (Some(s), Some(dram)) => {
+                s.pages.replace(o.page.layer, o.page.block, Place::Flash(slot));
+                dram.free(o.slot);
+                tier_counters.demoted_to_flash += 1;
+                moved += 1;
+            }
+            _ => orphans.push(slot),
+        }
+    }
+    if !orphans.is_empty() {
+        let mut flash = flash.lock();
+        for slot in orphans {
+            flash.free(slot);
+        }
+    }
+    moved
+}
+
+/// Promotes one DRAM page into a fresh frame (core lock); the caller made room. Returns whether the
+/// page is resident now (false: no frame was available).
+pub fn promote_from_dram(core: &mut Core, r: PageRef, scratch: &mut Scratch) -> Result<bool> {
+    let Core { pool, sessions, dram, tier_counters, .. } = core;
+    let (Some(s), Some(dram)) = (sessions.get_mut_unchecked(r.session), dram.as_mut()) else { return Ok(false) };
+    let Some(page) = s.pages.page(r.layer, r.block) else { return Ok(false) };
+    let Place::Dram(slot) = page.place else { return Ok(matches!(page.place, Place::Device(_))) };
+    let uid = s.owner.uid;
+    let Some(frame) = pool.alloc_frames(uid, u64::from(slot.len), 1).ok().and_then(|mut f| f.pop()) else {
+        return Ok(false);
+    };
+    scratch.src.resize(slot.len as usize, 0);
+    let got = dram.get(&mut [PageRead { key: s.key.as_deref(), page: r.id(), slot, out: &mut scratch.src }]).remove(0);
+    if let Err(e) = got {
+        pool.free_frame(uid, frame)?;
+        if e.is_data_loss() {
+            tier_counters.data_loss += 1;
+        }
+        return Err(e.into());
+    }
+    publish(pool, s, r, frame, page.format, &scratch.src)?;
+    dram.free(slot);
+    tier_counters.promoted_from_dram += 1;
+    Ok(true)
+}
+
+/// Writes `bytes` into `frame` and publishes the page resident there.
+fn publish(
+    pool: &crate::pool::Pool,
+    s: &mut Session,
+    r: PageRef,
+    frame: Frame,
+    format: Format,
+    bytes: &[u8],
+) -> Result<()> {
+    let uid = s.owner.uid;
+    let arena = pool.arena(uid).ok_or_else(|| Error::FailedPrecondition(format!("uid {uid} has no arena")))?;
+    arena.mapping().write_at(frame.offset as usize, bytes)?;
+    s.table.entry_writer(r.layer, r.block)?.publish_new(PageLocation {
+        offset: frame.offset,
+        len: frame.len as u32,
+        format: format.as_u8(),
+        tier: PageLocation::TIER_DEVICE,
+    });
+    s.pages.replace(r.layer, r.block, Place::Device(frame));
+    s.mark_hot(r.layer, r.block);
+    Ok(())
+}
+
+/// A flash page on its way back to the device.
+#[derive(Debug)]
+pub struct Inbound {
+    page: PageRef,
+    slot: FlashSlot,
+    frame: Frame,
+    uid: u32,
+    key: Arc<SessionKey>,
+    bytes: Vec<u8>,
+}
+
+/// Flash → device, phase 1 (core lock): a frame for each flash page of `pages` (the caller made
+/// room); pages without a frame are left out.
+pub fn prepare_flash_reads(core: &mut Core, pages: &[PageRef]) -> Vec<Inbound> {
+    let Core { pool, sessions, .. } = core;
+    let mut out = Vec::new();
+    for &r in pages {
+        let Some(s) = sessions.get_unchecked(r.session) else { continue };
+        let (Some(page), Some(key)) = (s.pages.page(r.layer, r.block), s.key.clone()) else { continue };
+        let Place::Flash(slot) = page.place else { continue };
+        let Some(frame) = pool.alloc_frames(s.owner.uid, u64::from(slot.len), 1).ok().and_then(|mut f| f.pop()) else {
+            continue;
+        };
+        out.push(Inbound { page: r, slot, frame, uid: s.owner.uid, key, bytes: vec![0u8; slot.len as usize] });
+    }
+    out
+}
+
+/// Flash → device, phase 2 (flash lock only): reads and authenticates the pages.
+pub fn read_from_flash(flash: &mut FlashFile, inbound: &mut [Inbound]) -> Vec<Result<(), TierError>> {
+    let mut reads: Vec<PageRead<'_, FlashSlot>> = inbound
+        .iter_mut()
+        .map(|i| PageRead { key: Some(&*i.key), page: i.page.id(), slot: i.slot, out: &mut i.bytes })
+        .collect();
+    flash.get(&mut reads)
+}
+
+/// Flash → device, phase 3 (core lock, then flash lock): publishes every page read intact that is
+/// still in the slot it was read from; frees the frames of the others. Returns the pages that
+/// failed authentication.
+pub fn commit_flash_reads(
+    core: &mut Core,
+    flash: &Mutex<FlashFile>,
+    inbound: Vec<Inbound>,
+    read: Vec<Result<(), TierError>>,
+) -> Result<Vec<(PageRef, TierError)>> {
+    let Core { pool, sessions, tier_counters, .. } = core;
+    let mut lost = Vec::new();
+    let mut freed = Vec::new();
+    for (i, result) in inbound.into_iter().zip(read) {
+        let still = sessions
+            .get_mut_unchecked(i.page.session)
+            .filter(|s| s.pages.page(i.page.layer, i.page.block).is_some_and(|p| p.place == Place::Flash(i.slot)));
+        match (still, result) {
+            (Some(s), Ok(())) => {
+                let format = s.pages.page(i.page.layer, i.page.block).map(|p| p.format).unwrap_or(Format::F16);
+                publish(pool, s, i.page, i.frame, format, &i.bytes)?;
+                freed.push(i.slot);
+                tier_counters.promoted_from_flash += 1;
+            }
+            (still, Err(e)) => {
+                pool.free_frame(i.uid, i.frame)?;
+                if e.is_data_loss() && still.is_some() {
+                    tier_counters.data_loss += 1;
+                    lost.push((i.page, e));
+                } else if still.is_some() {
+                    return Err(e.into());
+                }
+            }
+            (None, Ok(())) => pool.free_frame(i.uid, i.frame)?,
+        }
+    }
+    if !freed.is_empty() {
+        let mut flash = flash.lock();
+        for slot in freed {
+            flash.free(slot);
+        }
+    }
+    Ok(lost)
+}
+
+/// Frees device bytes until `need` more fit the device budget, demoting the coldest unprotected
+/// pages to DRAM (and, when DRAM is full, its coldest pages to flash first, with the flash I/O
+/// under the core lock: this is the synchronous path; the background task keeps it rare). Returns
+/// whether `need` fits now.
+pub fn make_room(
+    core: &mut Core,
+    flash: Option<&Mutex<FlashFile>>,
+    format: Option<Format>,
+    need: u64,
+    protect: &HashSet<PageRef>,
+    scratch: &mut Scratch,
+) -> Result<bool> {
+    for _ in 0..8 {
+        let free = core.pool.budget() - core.pool.used();
+        if free >= need {
+            return Ok(true);
+        }
+        let victims = pick_victims(core, From::Device, need - free, protect);
+        if victims.is_empty() {
+            return Ok(false);
+        }
+        let moved = demote_to_dram(core, format, &victims, scratch)?;
+        if moved == 0 {
+            // DRAM is full (or absent): push its coldest pages to flash, then try again.
+            let Some(flash) = flash else { return Ok(false) };
+            let room = victims.iter().filter_map(|r| footprint(core, *r)).sum::<u64>();
+            if spill_dram(core, flash, room, protect)? == 0 {
+                return Ok(false);
+            }
+        }
+    }
+    Ok(core.pool.budget() - core.pool.used() >= need)
+}
+
+/// Moves at least `bytes` of the coldest DRAM pages to flash, synchronously; returns pages moved.
+pub fn spill_dram(core: &mut Core, flash: &Mutex<FlashFile>, bytes: u64, protect: &HashSet<PageRef>) -> Result<u32> {
+    let victims = pick_victims(core, From::Dram, bytes, protect);
+    if victims.is_empty() {
+        return Ok(0);
+    }
+    let out = take_from_dram(core, &victims)?;
+    let written = write_to_flash(&mut flash.lock(), &out);
+    Ok(commit_to_flash(core, flash, out, written))
+}
+
+fn footprint(core: &Core, r: PageRef) -> Option<u64> {
+    core.sessions.get_unchecked(r.session)?.pages.page(r.layer, r.block).map(|p| p.place.footprint())
+}
+
+/// The tier a page is in, for replies.
+pub fn tier_of(core: &Core, r: PageRef) -> Option<TierKind> {
+    core.sessions.get_unchecked(r.session)?.pages.page(r.layer, r.block).map(|p| p.place.tier())
+}

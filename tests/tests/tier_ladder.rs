@@ -1,0 +1,245 @@
+//! The tier ladder with real processes: pages travel device → DRAM → flash (sealed, through the real
+//! I/O engine) and back while clients keep running.
+//!
+//! - With compression off, pages forced down to flash and faulted back give bit-identical attention
+//!   outputs (the lossless ladder), on both I/O engines.
+//! - With the default q8 demotion, outputs stay equal to a reference over the client's own K/V
+//!   passed through the same quantizer.
+//! - Three clients whose KV is 4× the device budget and 2× device + DRAM run 2,000-token workloads
+//!   with attention on every layer at every step: all complete with every output checked, nobody
+//!   gets RESOURCE_EXHAUSTED, and the tier counters add up to the pages.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use kvmm_proto::v1::Tier;
+use kvmm_tests::{Daemon, fields, spawn_client};
+
+/// A SmolLM2-shaped f16 page: 3 KV heads × 64 channels × 32 tokens, with header and bounds.
+const PAGE_BYTES: u64 = 25_408;
+
+fn start(flash_dir: &std::path::Path, extra: &[&str]) -> Daemon {
+    let mut args = vec!["--flash-dir", flash_dir.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    Daemon::start(&args)
+}
+
+fn lossless_ladder_on(engine: &str) {
+    let flash = tempfile::tempdir().unwrap();
+    let daemon = start(
+        flash.path(),
+        &[
+            "--device-budget",
+            "64MiB",
+            "--dram-budget",
+            "16MiB",
+            "--flash-budget",
+            "16MiB",
+            "--demote-format",
+            "none",
+            "--io-engine",
+            engine,
+        ],
+    );
+    let status = daemon.status();
+    assert_eq!(status.io_engine, engine, "fallback: {}", status.io_fallback);
+    // 300 tokens per layer: 9 full pages and a tail of 12 tokens in each of 2 layers.
+    let mut c = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "5"]);
+    let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
+    c.send("digest");
+    let before = fields(&c.expect_line("digest"));
+    assert_eq!(before["flash_pages"], "0");
+
+    let r = daemon.demote(session, Tier::Flash);
+    assert_eq!(r.demoted, 18, "every full page went down: {r:?}");
+    c.send("stats");
+    let down = fields(&c.expect_line("stats"));
+    assert_eq!((down["flash_pages"].as_str(), down["device_pages"].as_str()), ("18", "6"), "{down:?}");
+
+    // Attention faults the pages back in transparently, and reads exactly the same bits.
+    c.send("digest");
+    let after = fields(&c.expect_line("digest"));
+    assert_eq!(after["value"], before["value"], "bit-identical after device → dram → flash → device");
+    assert!(after["faults"].parse::<u64>().unwrap() >= 18, "{after:?}");
+    assert_eq!(after["flash_pages"], "0");
+    // And the regular checks against the reference still hold.
+    c.send("check 2");
+    c.expect_line("checked");
+    let s = daemon.status();
+    assert_eq!((s.demoted_to_flash, s.promoted_from_flash), (18, 18), "{s:?}");
+    let flash_tier = s.tiers.iter().find(|t| t.tier == "flash").unwrap();
+    assert_eq!((flash_tier.pages_in, flash_tier.pages_out, flash_tier.used_bytes), (18, 18, 0));
+    c.send("exit");
+    c.expect_line("detached");
+    assert!(daemon.stop().success());
+}
+
+#[test]
+fn pages_forced_to_flash_and_back_are_bit_identical_on_io_uring() {
+    lossless_ladder_on("io_uring");
+}
+
+#[test]
+fn pages_forced_to_flash_and_back_are_bit_identical_on_pread() {
+    lossless_ladder_on("pread");
+}
+
+#[test]
+fn pages_demoted_as_q8_decode_as_the_quantizer_says() {
+    let flash = tempfile::tempdir().unwrap();
+    let daemon =
+        start(flash.path(), &["--device-budget", "64MiB", "--dram-budget", "16MiB", "--flash-budget", "16MiB"]);
+    let mut c = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "6"]);
+    let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
+    let r = daemon.demote(session, Tier::Dram);
+    assert_eq!(r.demoted, 18, "{r:?}");
+    // Every check compares with the client's own K/V quantized to q8 for the pages read as q8.
+    c.send("check 3");
+    let f = fields(&c.expect_line("checked"));
+    assert!(f["formats_seen"].contains("q8:"), "{f:?}");
+    let s = daemon.status();
+    let dram = s.tiers.iter().find(|t| t.tier == "dram").unwrap();
+    assert!(dram.pages_in >= 18 && s.promoted_from_dram >= 18, "{s:?}");
+    // q8 pages are smaller: 18 of them back on the device take less than 18 f16 pages.
+    c.send("stats");
+    let f = fields(&c.expect_line("stats"));
+    assert!(f["device_bytes"].parse::<u64>().unwrap() < 24 * PAGE_BYTES, "{f:?}");
+    c.send("exit");
+    c.expect_line("detached");
+    assert!(daemon.stop().success());
+}
+
+#[test]
+fn three_clients_at_four_times_the_device_budget_all_complete() {
+    // Per client: 6 layers × 63 pages (2,000 tokens) of 25,408 bytes = 9.6 MB; 28.8 MB for three.
+    // The device holds a quarter of it and the DRAM pool another quarter; the rest goes to flash.
+    let total = 3 * 6 * 63 * PAGE_BYTES;
+    let quarter = (total / 4).to_string();
+    let flash = tempfile::tempdir().unwrap();
+    let daemon = start(
+        flash.path(),
+        &["--device-budget", &quarter, "--dram-budget", &quarter, "--flash-budget", "64MiB", "--demote-format", "none"],
+    );
+    let mut clients: Vec<_> = (0..3u64)
+        .map(|i| {
+            let seed = (40 + i).to_string();
+            spawn_client(
+                "run",
+                &daemon,
+                &["--layers", "6", "--tokens", "2000", "--max-tokens", "2048", "--seed", &seed],
+            )
+        })
+        .collect();
+    let mut pages = 0;
+    for c in &mut clients {
+        let line = c.expect_line("appended");
+        println!("{line}");
+        let f = fields(&line);
+        assert_eq!(f["tokens"], "2000");
+        assert!(f["worst_rel_err"].parse::<f64>().unwrap() <= 1e-3, "{f:?}");
+        for tier in ["device_pages", "dram_pages", "flash_pages"] {
+            pages += f[tier].parse::<u64>().unwrap();
+        }
+    }
+    let s = daemon.status();
+    println!("{s:?}");
+    let tier_pages: u64 = s.tiers.iter().map(|t| t.pages).sum();
+    assert_eq!(tier_pages, 3 * 6 * 64, "every page of every session is in exactly one tier");
+    assert!(pages >= tier_pages - 3, "the clients' own counts agree (taken at slightly different times)");
+    assert!(s.demoted_to_flash > 0 && s.promoted_from_flash > 0, "pages went to flash and came back: {s:?}");
+    for t in &s.tiers {
+        assert!(t.used_bytes <= t.budget_bytes, "{t:?}");
+    }
+    for c in &mut clients {
+        c.send("exit");
+        c.expect_line("detached");
+        assert!(c.wait(Duration::from_secs(20)).success());
+    }
+    let (s, _) = daemon.wait_status(Duration::from_secs(5), |s| s.sessions == 0);
+    for t in &s.tiers {
+        assert_eq!((t.used_bytes, t.pages), (0, 0), "everything returned: {t:?}");
+    }
+    assert!(daemon.stop().success());
+}
+
+/// Offset of the flash record holding page `(layer, block)`, found by its header (magic
+/// `KVMMSLT1`, layer at byte 32, block at byte 36, records at 4 KiB boundaries).
+fn record_of(flash: &[u8], layer: u32, block: u32) -> usize {
+    (0..flash.len() / 4096)
+        .map(|i| i * 4096)
+        .find(|&at| {
+            let h = &flash[at..at + 64];
+            h.starts_with(b"KVMMSLT1") && h[32..36] == layer.to_le_bytes() && h[36..40] == block.to_le_bytes()
+        })
+        .expect("the page has a record in the flash file")
+}
+
+#[test]
+fn a_flipped_byte_on_flash_is_data_loss_for_that_page_and_the_daemon_serves_on() {
+    let flash = tempfile::tempdir().unwrap();
+    let daemon = start(
+        flash.path(),
+        &["--device-budget", "64MiB", "--dram-budget", "16MiB", "--flash-budget", "16MiB", "--demote-format", "none"],
+    );
+    let mut c = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "7"]);
+    let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
+    assert_eq!(daemon.demote(session, Tier::Flash).demoted, 18);
+    let path = flash.path().join("kvmm.flash");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = record_of(&bytes, 1, 2) + 64 + 1000;
+    bytes[at] ^= 0x40;
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, &bytes[at..at + 1], at as u64).unwrap();
+    file.sync_all().unwrap();
+
+    // Layer 0 faults back intact; layer 1 holds the changed page: DATA_LOSS naming it.
+    c.send("check 1");
+    let line = c.expect_line("error");
+    assert!(line.contains("code=DataLoss"), "{line}");
+    assert!(line.contains("page 2 of layer 1"), "the error names the page: {line}");
+    let s = daemon.status();
+    let flash_tier = s.tiers.iter().find(|t| t.tier == "flash").unwrap();
+    assert_eq!(flash_tier.auth_failures, 1, "{s:?}");
+    // The daemon serves others as before.
+    let mut other = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "100", "--seed", "8"]);
+    other.expect_line("appended");
+    other.send("exit");
+    other.expect_line("detached");
+    assert!(daemon.stop().success());
+}
+
+#[test]
+fn a_prefetch_hint_brings_pages_back_without_faults() {
+    let flash = tempfile::tempdir().unwrap();
+    let daemon = start(
+        flash.path(),
+        &["--device-budget", "64MiB", "--dram-budget", "16MiB", "--flash-budget", "16MiB", "--demote-format", "none"],
+    );
+    let mut c = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "9"]);
+    let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
+    c.send("digest");
+    let before = fields(&c.expect_line("digest"));
+    assert_eq!(daemon.demote(session, Tier::Flash).demoted, 18);
+    c.send("prefetch");
+    let f = fields(&c.expect_line("prefetched"));
+    assert_eq!(f["scheduled"], "18", "{f:?}");
+    // The tier task promotes them in the background.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        c.send("stats");
+        let s = fields(&c.expect_line("stats"));
+        if s["flash_pages"] == "0" && s["dram_pages"] == "0" {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "prefetch did not finish: {s:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    c.send("digest");
+    let after = fields(&c.expect_line("digest"));
+    assert_eq!(after["value"], before["value"]);
+    assert_eq!(after["faults"], before["faults"], "no page had to be faulted");
+    c.send("exit");
+    c.expect_line("detached");
+    assert!(daemon.stop().success());
+}
