@@ -524,8 +524,13 @@ mod tests {
             .collect();
         let file = FileConfig::parse(&uncommented).unwrap();
         assert_eq!(file.device_budget, Some(ByteSize::Bytes(4 << 30)));
-        assert_eq!(file.compaction.and_then(|c| c.interval_ms), Some(1000));
+        assert_eq!(file.compaction.clone().and_then(|c| c.interval_ms), Some(1000));
         assert_eq!(file.admin_group.as_deref(), Some("kvmm-admin"));
+        let tiers = file.tiers.clone().unwrap();
+        assert_eq!(tiers.flash_budget, Some(ByteSize::Bytes(8 << 30)));
+        assert_eq!(tiers.demote_format.as_deref(), Some("q8"));
+        let tiers = resolve_tiers(tiers, &Overrides::default(), &env(0)).unwrap();
+        assert_eq!(tiers.flash_path, PathBuf::from("/var/lib/kvmm/kvmm.flash"));
     }
 
     #[test]
