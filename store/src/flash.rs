@@ -173,46 +173,63 @@ impl FlashFile {
     }
 
     /// [`Tier::put`]: pages get adjacent slots where the free space allows and adjacent slots go out
-    /// as one request. With several runs, sealing and writing overlap: this thread seals run after
-    /// run while a second one writes what is sealed, each time in one submission of every run
-    /// waiting.
+    /// as one request. Each page's nonce is drawn first (the counters are this thread's alone);
+    /// with several runs, this thread and a second one seal alternate runs while a third writes
+    /// what is sealed, each time in one submission of every run waiting.
     fn write(&mut self, pages: &[PageWrite<'_>]) -> Vec<Result<FlashSlot, TierError>> {
         let mut results: Vec<Option<Result<FlashSlot, TierError>>> = (0..pages.len()).map(|_| None).collect();
         let runs = self.allocate_runs(pages, &mut results);
+        // Every page's slot and nonce, run by run. A page refused here (no key, spent slot) gets
+        // its error now and zeros in its record.
+        let mut plans: Vec<Vec<Planned>> = Vec::with_capacity(runs.len());
         let mut spare: Vec<(u64, u64)> = Vec::new();
-        let (engine, fd, buffers) = (self.engine.as_ref(), self.file.as_fd(), self.buffers.as_ref());
-        let counters = &mut self.counters;
-        // Seals one run into a staging buffer; `None` when no buffer could be had (its pages failed).
-        let mut seal_run = |run: &Run, results: &mut [Option<Result<FlashSlot, TierError>>]| -> Option<Staging> {
-            let mut staging = match staging(buffers, run.bytes as usize) {
-                Ok(s) => s,
-                Err(e) => {
-                    for p in run.pages.clone() {
-                        results[p] = Some(Err(TierError::Io(e.clone())));
-                    }
-                    return None;
-                }
-            };
-            let mut at = 0usize;
+        for run in &runs {
+            let mut at = 0u64;
+            let mut plan = Vec::with_capacity(run.pages.len());
             for p in run.pages.clone() {
-                let page = &pages[p];
-                let extent = Self::extent_for(page.bytes.len());
-                let offset = run.offset + at as u64;
-                let record = &mut staging[at..at + extent as usize];
-                match seal_record(counters, page, offset, record) {
-                    Ok(slot) => results[p] = Some(Ok(slot)),
+                let extent = Self::extent_for(pages[p].bytes.len());
+                let offset = run.offset + at;
+                let nonce = match plan_nonce(&mut self.counters, &pages[p], offset) {
+                    Ok(nonce) => Some(nonce),
                     Err(e) => {
-                        record.fill(0);
                         // A spent slot stays allocated (retired); any other refusal frees it after the I/O.
                         if !matches!(e, TierError::Seal(SealError::SlotExhausted { .. })) {
                             spare.push((offset, extent));
                         }
                         results[p] = Some(Err(e));
+                        None
                     }
-                }
-                at += extent as usize;
+                };
+                plan.push(Planned { page: p, offset, extent, nonce });
+                at += extent;
             }
-            Some(staging)
+            plans.push(plan);
+        }
+        let (engine, fd, buffers) = (self.engine.as_ref(), self.file.as_fd(), self.buffers.as_ref());
+        // Seals run `k` into a staging buffer: the buffer (if one could be had) and each page's result.
+        let seal_run = |k: usize| -> (Option<Staging>, Vec<PageResult>) {
+            let mut staging = match staging(buffers, runs[k].bytes as usize) {
+                Ok(s) => s,
+                Err(e) => {
+                    let failed = plans[k].iter().filter(|pl| pl.nonce.is_some());
+                    return (None, failed.map(|pl| (pl.page, Err(TierError::Io(e.clone())))).collect());
+                }
+            };
+            let mut out = Vec::with_capacity(plans[k].len());
+            for pl in &plans[k] {
+                let at = (pl.offset - runs[k].offset) as usize;
+                let record = &mut staging[at..at + pl.extent as usize];
+                let Some(nonce) = pl.nonce else {
+                    record.fill(0);
+                    continue;
+                };
+                let sealed = seal_record(nonce, &pages[pl.page], pl.offset, record);
+                if sealed.is_err() {
+                    record.fill(0);
+                }
+                out.push((pl.page, sealed));
+            }
+            (Some(staging), out)
         };
         let write = |batch: &[(usize, Staging)]| -> Vec<Result<(), IoError>> {
             let mut requests: Vec<IoRequest<'_>> = batch
@@ -225,9 +242,14 @@ impl FlashFile {
             run_all(engine, fd, &mut requests)
         };
         let mut outcomes: Vec<Option<Result<(), IoError>>> = (0..runs.len()).map(|_| None).collect();
+        let mut sealed_pages: Vec<PageResult> = Vec::with_capacity(pages.len());
         if runs.len() <= 1 {
-            let staged: Vec<(usize, Staging)> =
-                runs.iter().enumerate().filter_map(|(k, run)| Some((k, seal_run(run, &mut results)?))).collect();
+            let mut staged = Vec::new();
+            for k in 0..runs.len() {
+                let (staging, out) = seal_run(k);
+                sealed_pages.extend(out);
+                staged.extend(staging.map(|s| (k, s)));
+            }
             for ((k, _), outcome) in staged.iter().zip(write(&staged)) {
                 outcomes[*k] = Some(outcome);
             }
@@ -244,18 +266,37 @@ impl FlashFile {
                     }
                     done
                 });
-                for (k, run) in runs.iter().enumerate() {
-                    if let Some(staging) = seal_run(run, &mut results)
-                        && sealed.send((k, staging)).is_err()
-                    {
-                        break;
+                let seal_every_other = |first: usize, sealed: mpsc::SyncSender<(usize, Staging)>| {
+                    let mut out = Vec::new();
+                    for k in (first..runs.len()).step_by(2) {
+                        let (staging, pages) = seal_run(k);
+                        out.extend(pages);
+                        if let Some(staging) = staging
+                            && sealed.send((k, staging)).is_err()
+                        {
+                            break;
+                        }
                     }
-                }
-                drop(sealed);
+                    out
+                };
+                let other = {
+                    let sealed = sealed.clone();
+                    scope.spawn(move || seal_every_other(1, sealed))
+                };
+                sealed_pages.extend(seal_every_other(0, sealed));
+                sealed_pages.extend(other.join().expect("the flash sealer thread does not panic"));
                 for (k, outcome) in writer.join().expect("the flash writer thread does not panic") {
                     outcomes[k] = Some(outcome);
                 }
             });
+        }
+        for (p, sealed) in sealed_pages {
+            if sealed.is_err()
+                && let Some(pl) = plans.iter().flatten().find(|pl| pl.page == p)
+            {
+                spare.push((pl.offset, pl.extent));
+            }
+            results[p] = Some(sealed);
         }
         for (run, outcome) in runs.iter().zip(outcomes) {
             let Some(outcome) = outcome else {
@@ -333,7 +374,7 @@ impl FlashFile {
 
     /// [`Tier::get`]: adjacent slots are read with one request. With several runs, reading and
     /// opening overlap: a second thread reads the first run alone, then the rest in batches, while
-    /// this thread authenticates and copies out what has arrived.
+    /// this thread and a third authenticate and copy out the runs that have arrived.
     fn read(&mut self, reads: &mut [PageRead<'_, FlashSlot>]) -> Vec<Result<(), TierError>> {
         let mut results: Vec<Option<Result<(), TierError>>> = reads
             .iter()
@@ -380,24 +421,32 @@ impl FlashFile {
             }
             staged
         };
-        let mut open_arrived = |batch: Vec<(usize, Result<Staging, IoError>)>,
-                                results: &mut [Option<Result<(), TierError>>],
-                                stats: &mut TierStats| {
+        // Each run's reads, taken out of `reads` so that two threads can open different runs.
+        let mut taken: Vec<Option<&mut PageRead<'_, FlashSlot>>> = reads.iter_mut().map(Some).collect();
+        let jobs: Vec<std::sync::Mutex<RunReads<'_, '_>>> = runs
+            .iter()
+            .map(|run| {
+                let members = run.members.iter().filter_map(|&i| Some((i, taken[i].take()?))).collect();
+                std::sync::Mutex::new(members)
+            })
+            .collect();
+        // Opens the pages of arrived runs; returns each page's result and the counters it moved.
+        let open_batch = |batch: Vec<(usize, Result<Staging, IoError>)>| -> Opened {
+            let mut stats = TierStats::default();
+            let mut out = Vec::new();
             for (k, staged) in batch {
                 let run = &runs[k];
+                let mut members = jobs[k].lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 stats.read_requests += 1;
                 let staging = match staged {
                     Ok(s) => s,
                     Err(e) => {
-                        stats.io_failures += run.members.len() as u64;
-                        for &i in &run.members {
-                            results[i] = Some(Err(TierError::Io(e.clone())));
-                        }
+                        stats.io_failures += members.len() as u64;
+                        out.extend(members.iter().map(|(i, _)| (*i, Err(TierError::Io(e.clone())))));
                         continue;
                     }
                 };
-                for &i in &run.members {
-                    let read = &mut reads[i];
+                for (i, read) in members.iter_mut() {
                     let at = (read.slot.offset - run.offset) as usize;
                     let opened = open_record(read, &staging[at..at + read.slot.extent as usize]);
                     match opened {
@@ -407,17 +456,19 @@ impl FlashFile {
                         }
                         Err(_) => stats.auth_failures += 1,
                     }
-                    results[i] = Some(opened);
+                    out.push((*i, opened));
                 }
             }
+            (out, stats)
         };
-        let stats = &mut self.stats;
+        let mut opened: Vec<Opened> = Vec::new();
         if runs.len() <= 1 {
             let all: Vec<usize> = (0..runs.len()).collect();
-            open_arrived(read(&all), &mut results, stats);
+            opened.push(open_batch(read(&all)));
         } else {
+            let (done, queue) = mpsc::sync_channel::<Vec<(usize, Result<Staging, IoError>)>>(PIPELINE_RUNS);
+            let queue = std::sync::Mutex::new(queue);
             std::thread::scope(|scope| {
-                let (done, queue) = mpsc::sync_channel::<Vec<(usize, Result<Staging, IoError>)>>(PIPELINE_RUNS);
                 let runs_n = runs.len();
                 let reader = scope.spawn(move || {
                     // The first run alone, so opening starts early; then batches of a few runs.
@@ -431,11 +482,32 @@ impl FlashFile {
                         }
                     }
                 });
-                for batch in queue.iter() {
-                    open_arrived(batch, &mut results, stats);
-                }
+                // Two openers take arrived batches from one queue.
+                let open_all = || {
+                    let mut mine = Vec::new();
+                    loop {
+                        let batch = queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).recv();
+                        let Ok(batch) = batch else { break };
+                        mine.push(open_batch(batch));
+                    }
+                    mine
+                };
+                let other = scope.spawn(open_all);
+                opened.extend(open_all());
+                opened.extend(other.join().expect("the flash opener thread does not panic"));
                 reader.join().expect("the flash reader thread does not panic");
             });
+        }
+        for (pages, stats) in opened {
+            for (i, r) in pages {
+                results[i] = Some(r);
+            }
+            let s = &mut self.stats;
+            s.read_requests += stats.read_requests;
+            s.io_failures += stats.io_failures;
+            s.pages_out += stats.pages_out;
+            s.bytes_out += stats.bytes_out;
+            s.auth_failures += stats.auth_failures;
         }
         results.into_iter().map(|r| r.expect("every read gets a result above")).collect()
     }
@@ -498,14 +570,39 @@ fn staging(buffers: Option<&Arc<IoBuffers>>, len: usize) -> Result<Staging, IoEr
     AlignedBuf::zeroed(len.next_multiple_of(IO_ALIGN)).map(Staging::Owned)
 }
 
-/// Writes the record of `page` (header, ciphertext, zero padding) into `record`, the slot's bytes
-/// at `offset`, with the slot's next nonce.
-fn seal_record(
-    counters: &mut SlotCounters,
-    page: &PageWrite<'_>,
+/// The reads of one run (index into the caller's reads, and the read), handed to whichever thread
+/// opens the run.
+type RunReads<'r, 'a> = Vec<(usize, &'r mut PageRead<'a, FlashSlot>)>;
+
+/// What opening a batch of runs gave: each read's result, and the counters it moved.
+type Opened = (Vec<(usize, Result<(), TierError>)>, TierStats);
+
+/// A page of a `write` call (its index) and what became of it.
+type PageResult = (usize, Result<FlashSlot, TierError>);
+
+/// One page of a `write` call: where its slot is and the nonce drawn for it (or why none could be).
+#[derive(Debug)]
+struct Planned {
+    page: usize,
     offset: u64,
-    record: &mut [u8],
-) -> Result<FlashSlot, TierError> {
+    extent: u64,
+    /// `None`: refused at planning; the page's result already says why.
+    nonce: Option<SealNonce>,
+}
+
+/// Draws the nonce for writing `page` at `offset`, after the checks that need no bytes.
+fn plan_nonce(counters: &mut SlotCounters, page: &PageWrite<'_>, offset: u64) -> Result<SealNonce, TierError> {
+    let p = page.page;
+    if page.key.is_none() {
+        return Err(TierError::NoKey { tier: TierKind::Flash, session: p.session, layer: p.layer, block: p.block });
+    }
+    u32::try_from(page.bytes.len()).map_err(|_| SealError::TooLong { len: page.bytes.len() })?;
+    Ok(counters.next((offset / IO_ALIGN as u64) as u32)?)
+}
+
+/// Writes the record of `page` (header, ciphertext, zero padding) into `record`, the slot's bytes
+/// at `offset`, sealed with `nonce`.
+fn seal_record(nonce: SealNonce, page: &PageWrite<'_>, offset: u64, record: &mut [u8]) -> Result<FlashSlot, TierError> {
     let p = page.page;
     let key = page.key.ok_or(TierError::NoKey {
         tier: TierKind::Flash,
@@ -514,8 +611,6 @@ fn seal_record(
         block: p.block,
     })?;
     let len = u32::try_from(page.bytes.len()).map_err(|_| SealError::TooLong { len: page.bytes.len() })?;
-    let id = (offset / IO_ALIGN as u64) as u32;
-    let nonce = counters.next(id)?;
     let slot = FlashSlot { offset, extent: record.len() as u64, counter: nonce.counter(), len };
     let aad = aad_of(page.page, &slot);
     let (header, body) = record.split_at_mut(RECORD_HEADER);

@@ -13,7 +13,7 @@
 //!   recompressed are checked against this process's own K/V passed through the same quantizer
 //!   (through the `--requantized-from` format first, when pages step down from it). `digest` prints
 //!   a digest of the exact bits of every layer's output for a fixed query; `prefetch` hints every
-//!   page of the session.
+//!   page of the session. `--canary` fills every value row with the bytes of `CANARY`.
 //! - `append-forever [geometry]`: append and attend until killed, printing `progress tokens=T`.
 //! - `raw-attach [geometry] [--fetch]`: Attach over gRPC without the library; print the session id
 //!   and token (and, with --fetch, the received arena's inode), then wait for `exit`.
@@ -87,6 +87,20 @@ impl Rng {
     }
 }
 
+/// Bytes that `--canary` writes into every value row (an even number of bytes, each pair a finite
+/// f16 whose little-endian bytes are these).
+const CANARY: &[u8; 16] = b"KVMM-CANARY-7e1d";
+
+/// A value row whose f16 encoding is [`CANARY`] repeated.
+fn canary_row(n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let at = (2 * i) % CANARY.len();
+            half::f16::from_bits(u16::from_le_bytes([CANARY[at], CANARY[at + 1]])).to_f32()
+        })
+        .collect()
+}
+
 fn round_to(et: ElementType, x: f32) -> f32 {
     match et {
         ElementType::Bf16 => half::bf16::from_f32(x).to_f32(),
@@ -116,6 +130,8 @@ struct Checked {
     /// This process's own K/V of a page passed through the daemon's quantizer: what a recompressed
     /// page must decode to, keyed by (layer, block, format code).
     requantized: HashMap<(u32, u32, u8), Rows>,
+    /// `--canary`: every value row holds [`CANARY`] (as f16 bytes), to be searched for in storage.
+    canary: bool,
     /// The format lower pages were recompressed from (`--requantized-from q8`), if not from 16-bit.
     via: Option<kvmm_kernels::format::Format>,
 }
@@ -126,7 +142,7 @@ impl Checked {
         for _ in 0..n {
             for layer in 0..self.g.layers {
                 let k = self.rng.vec(row);
-                let v = self.rng.vec(row);
+                let v = if self.canary { canary_row(row) } else { self.rng.vec(row) };
                 self.session.append(layer, &k, &v).unwrap_or_else(|e| die(e));
                 let et = self.g.element_type;
                 self.keys[layer as usize].extend(k.iter().map(|&x| round_to(et, x)));
@@ -331,6 +347,7 @@ fn run(a: &Args, forever: bool) {
         keys: vec![Vec::new(); g.layers as usize],
         values: vec![Vec::new(); g.layers as usize],
         rng: Rng(a.get("seed", 1u64) | 1),
+        canary: a.flag("canary"),
         attentions: 0,
         worst: 0.0,
         formats_seen: Default::default(),
