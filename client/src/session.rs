@@ -82,6 +82,11 @@ pub struct SessionStats {
     pub flash_bytes: u64,
     /// Pages in each tier: device, DRAM, flash.
     pub pages: [u32; 3],
+    /// Pages named in faults that were resident already, and pages brought back from DRAM and
+    /// from flash.
+    pub fault_hits: u64,
+    pub promoted_from_dram: u64,
+    pub promoted_from_flash: u64,
 }
 
 /// One attached session. Dropping it detaches (the daemon wipes its pages).
@@ -465,6 +470,9 @@ impl Session {
             dram_bytes: s.dram_bytes,
             flash_bytes: s.flash_bytes,
             pages: [s.device_pages, s.dram_pages, s.flash_pages],
+            fault_hits: s.fault_hits,
+            promoted_from_dram: s.promoted_from_dram,
+            promoted_from_flash: s.promoted_from_flash,
         })
     }
 

@@ -468,6 +468,8 @@ impl Daemon {
                 check_page(s, layer, block)?;
             }
             s.counters.faults += pages.len() as u64;
+            s.counters.fault_hits +=
+                pages.iter().filter(|&&(l, b)| s.pages.page(l, b).is_some_and(|p| p.frame().is_some())).count() as u64;
             pages.iter().map(|&(layer, block)| PageRef { session: session_id, layer, block }).collect()
         };
         // Room may be held by other clients' pins or just-promoted pages for a moment: try again a

@@ -62,6 +62,7 @@ fn lossless_ladder_on(engine: &str) {
     let after = fields(&c.expect_line("digest"));
     assert_eq!(after["value"], before["value"], "bit-identical after device → dram → flash → device");
     assert!(after["faults"].parse::<u64>().unwrap() >= 18, "{after:?}");
+    assert_eq!(after["promoted_flash"], "18", "{after:?}");
     assert_eq!(after["flash_pages"], "0");
     // And the regular checks against the reference still hold.
     c.send("check 2");
@@ -239,6 +240,7 @@ fn a_prefetch_hint_brings_pages_back_without_faults() {
     let after = fields(&c.expect_line("digest"));
     assert_eq!(after["value"], before["value"]);
     assert_eq!(after["faults"], before["faults"], "no page had to be faulted");
+    assert_eq!(after["promoted_flash"], "18", "the prefetch promoted them: {after:?}");
     c.send("exit");
     c.expect_line("detached");
     assert!(daemon.stop().success());

@@ -310,6 +310,7 @@ pub fn promote_from_dram(core: &mut Core, r: PageRef, scratch: &mut Scratch) -> 
     publish(pool, s, r, frame, page.format, &scratch.src)?;
     dram.free(slot);
     tier_counters.promoted_from_dram += 1;
+    s.counters.promoted_from_dram += 1;
     Ok(true)
 }
 
@@ -395,6 +396,7 @@ pub fn commit_flash_reads(
                 publish(pool, s, i.page, i.frame, format, &i.bytes)?;
                 freed.push(i.slot);
                 tier_counters.promoted_from_flash += 1;
+                s.counters.promoted_from_flash += 1;
             }
             (still, Err(e)) => {
                 pool.free_frame(i.uid, i.frame)?;

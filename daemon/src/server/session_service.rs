@@ -197,6 +197,9 @@ impl pb::session_server::Session for SessionService {
             device_pages: s.pages[0] as u32,
             dram_pages: s.pages[1] as u32,
             flash_pages: s.pages[2] as u32,
+            fault_hits: s.counters.fault_hits,
+            promoted_from_dram: s.counters.promoted_from_dram,
+            promoted_from_flash: s.counters.promoted_from_flash,
         }))
     }
 }

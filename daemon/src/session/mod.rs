@@ -49,6 +49,11 @@ pub struct Counters {
     pub faults: u64,
     /// Pages named in `Prefetch` hints.
     pub prefetches: u64,
+    /// Pages named in `Fault` requests that were resident already (hits).
+    pub fault_hits: u64,
+    /// Pages brought back to the device from DRAM and from flash (faults and prefetches).
+    pub promoted_from_dram: u64,
+    pub promoted_from_flash: u64,
 }
 
 /// One attached session.

@@ -287,8 +287,9 @@ impl Checked {
         }
         let s = self.session.stats().unwrap_or_else(|e| die(e));
         println!(
-            "digest value={hash:016x} faults={} device_pages={} dram_pages={} flash_pages={}",
-            s.faults, s.pages[0], s.pages[1], s.pages[2]
+            "digest value={hash:016x} faults={} fault_hits={} promoted_dram={} promoted_flash={} device_pages={} \
+             dram_pages={} flash_pages={}",
+            s.faults, s.fault_hits, s.promoted_from_dram, s.promoted_from_flash, s.pages[0], s.pages[1], s.pages[2]
         );
     }
 
