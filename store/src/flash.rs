@@ -34,7 +34,7 @@ use rustix::fs::{FallocateFlags, Mode, OFlags};
 
 use crate::extent::ExtentAllocator;
 use crate::io::{AlignedBuf, IO_ALIGN, IoBuffers, IoEngine, IoError, IoRequest, run_all};
-use crate::seal::{PageAad, SealError, SealNonce, SlotCounters, TAG_LEN, TIER_FLASH, open, seal};
+use crate::seal::{PageAad, SealError, SealNonce, SlotCounters, TAG_LEN, TIER_FLASH, open_into, seal_into};
 use crate::tier::{PageId, PageRead, PageWrite, Tier, TierError, TierKind, TierStats};
 
 /// Bytes of a slot before the ciphertext.
@@ -615,9 +615,8 @@ fn seal_record(nonce: SealNonce, page: &PageWrite<'_>, offset: u64, record: &mut
     let aad = aad_of(page.page, &slot);
     let (header, body) = record.split_at_mut(RECORD_HEADER);
     let (cipher, pad) = body.split_at_mut(page.bytes.len());
-    cipher.copy_from_slice(page.bytes);
     pad.fill(0);
-    let tag = seal(key, nonce, &aad, cipher)?;
+    let tag = seal_into(key, nonce, &aad, page.bytes, cipher)?;
     Header { len, counter: slot.counter, page: page.page, tag }.encode(header);
     Ok(slot)
 }
@@ -704,9 +703,9 @@ fn open_record(read: &mut PageRead<'_, FlashSlot>, record: &[u8]) -> Result<(), 
         read.out.fill(0);
         return Err(loss("the slot's record names another page or write"));
     }
-    read.out.copy_from_slice(&record[RECORD_HEADER..RECORD_HEADER + read.slot.len as usize]);
     let nonce = SealNonce::new(TIER_FLASH, read.slot.id(), read.slot.counter)?;
-    open(key, nonce, &aad_of(page, &read.slot), read.out, header.tag).map_err(|e| match e {
+    let cipher = &record[RECORD_HEADER..RECORD_HEADER + read.slot.len as usize];
+    open_into(key, nonce, &aad_of(page, &read.slot), cipher, read.out, header.tag).map_err(|e| match e {
         SealError::Tag { .. } => loss("the authentication tag does not match"),
         other => TierError::Seal(other),
     })

@@ -1,7 +1,8 @@
 //! Sealing pages that leave device memory: AES-256-GCM with one key per session.
 //!
 //! Pages written to the flash file (always) and to the daemon's DRAM pool (optionally) are sealed in
-//! place with [`seal`] and opened in place with [`open`]. What holds it together:
+//! place with [`seal`] and opened in place with [`open`], or from one buffer into another with
+//! [`seal_into`] and [`open_into`] (saving a copy). What holds it together:
 //!
 //! - **One random key per session** ([`SessionKey`]), generated from kernel randomness into locked,
 //!   non-dumpable memory ([`LockedBox`]) and wiped when the session ends. Keys are never stored, so
@@ -80,6 +81,71 @@ pub fn open(
     );
     if opened.is_err() {
         buf.fill(0);
+        return Err(SealError::Tag {
+            session: aad.session,
+            layer: aad.layer,
+            block: aad.block,
+            tier: nonce.tier(),
+            slot: nonce.slot(),
+            counter: nonce.counter(),
+        });
+    }
+    Ok(())
+}
+
+/// Seals `src` into `dst` (the same length), like [`seal`] without first copying `src` to `dst`.
+///
+/// # Errors
+///
+/// As [`seal`], and [`SealError::Mismatch`] when the buffers' lengths differ.
+pub fn seal_into(
+    key: &SessionKey,
+    nonce: SealNonce,
+    aad: &PageAad,
+    src: &[u8],
+    dst: &mut [u8],
+) -> Result<[u8; TAG_LEN], SealError> {
+    let len = src.len();
+    let len32 = u32::try_from(len).map_err(|_| SealError::TooLong { len })?;
+    check_equal("tier", "nonce", u64::from(aad.tier), u64::from(nonce.tier()))?;
+    check_equal("counter", "nonce", aad.counter, nonce.counter())?;
+    check_equal("len", "buffer", u64::from(aad.len), u64::from(len32))?;
+    let buf = aes_gcm::aead::inout::InOutBuf::new(src, dst).map_err(|_| SealError::Mismatch {
+        field: "len",
+        against: "output buffer",
+        in_aad: len as u64,
+        found: 0,
+    })?;
+    let tag = key
+        .cipher()
+        .encrypt_inout_detached(&aes_gcm::Nonce::from(nonce.to_bytes()), &aad.encode(), buf)
+        .map_err(|_| SealError::TooLong { len })?;
+    Ok(tag.into())
+}
+
+/// Opens `src` (sealed by [`seal`] or [`seal_into`]) into `dst` (the same length). The tag is
+/// checked before anything is decrypted; on any failure `dst` is zeroed and the error is
+/// [`SealError::Tag`].
+pub fn open_into(
+    key: &SessionKey,
+    nonce: SealNonce,
+    aad: &PageAad,
+    src: &[u8],
+    dst: &mut [u8],
+    tag: [u8; TAG_LEN],
+) -> Result<(), SealError> {
+    let opened = aes_gcm::aead::inout::InOutBuf::new(src, &mut *dst).ok().and_then(|buf| {
+        key.cipher()
+            .decrypt_inout_detached(
+                &aes_gcm::Nonce::from(nonce.to_bytes()),
+                &aad.encode(),
+                buf,
+                &aes_gcm::Tag::from(tag),
+            )
+            .ok()
+    });
+    if opened.is_none() {
+        dst.fill(0);
         return Err(SealError::Tag {
             session: aad.session,
             layer: aad.layer,
@@ -321,6 +387,25 @@ mod tests {
     fn assert_tag_failure_zeroes(result: Result<(), SealError>, buf: &[u8]) {
         assert!(matches!(result, Err(SealError::Tag { .. })), "{result:?}");
         assert!(buf.iter().all(|&b| b == 0), "a failed open leaves zeros, not page bytes");
+    }
+
+    #[test]
+    fn sealing_into_another_buffer_equals_sealing_in_place() -> Result<(), SealError> {
+        let key = key();
+        let (nonce, aad, in_place, tag) = sealed(&key, 5, 25408);
+        let plain = canary_page(25408);
+        let mut out = vec![0u8; plain.len()];
+        assert_eq!(seal_into(&key, nonce, &aad, &plain, &mut out)?, tag);
+        assert_eq!(out, in_place);
+        let mut back = vec![0xffu8; plain.len()];
+        open_into(&key, nonce, &aad, &out, &mut back, tag)?;
+        assert_eq!(back, plain);
+        out[1234] ^= 1;
+        let mut back = vec![0xffu8; plain.len()];
+        assert_tag_failure_zeroes(open_into(&key, nonce, &aad, &out, &mut back, tag), &back);
+        let mut short = vec![0u8; 100];
+        assert_tag_failure_zeroes(open_into(&key, nonce, &aad, &plain[..101], &mut short, tag), &short);
+        Ok(())
     }
 
     #[test]
