@@ -321,7 +321,7 @@ impl Daemon {
             return Err(Error::InvalidArgument("blocks must be at least 1".to_owned()));
         }
         let mut core = self.core.lock();
-        let need = {
+        let room = {
             let s = core.sessions.get(session_id, caller.uid)?;
             let have = s.pages.allocated_blocks();
             let cap = s.pages.blocks_per_layer();
@@ -332,18 +332,20 @@ impl Daemon {
                     s.geometry.max_tokens, s.geometry.block_tokens
                 )));
             }
-            kvmm_store::extent::ExtentAllocator::frame_len(s.geometry.page_bytes())
-                * u64::from(blocks)
-                * u64::from(s.geometry.layers)
+            tiering::Room {
+                uid: Some(caller.uid),
+                frame_len: s.geometry.page_bytes(),
+                count: u64::from(blocks) * u64::from(s.geometry.layers),
+            }
         };
-        if core.pool.budget() - core.pool.used() < need && self.config.tiers.any() {
+        if self.config.tiers.any() && !core.pool.fits(caller.uid, room.frame_len, room.count) {
             // Make room below rather than refuse: demote the coldest pages of any session.
             let t = &self.config.tiers;
             tiering::make_room(
                 &mut core,
                 self.flash.as_ref(),
                 t.demote_format,
-                need,
+                room,
                 &HashSet::new(),
                 &mut Scratch::default(),
             )?;
@@ -532,9 +534,13 @@ impl Daemon {
         if missing.is_empty() {
             return Ok(Vec::new());
         }
-        let need: u64 =
-            missing.iter().map(|(_, p)| kvmm_store::extent::ExtentAllocator::frame_len(p.footprint())).sum();
-        tiering::make_room(&mut core, self.flash.as_ref(), t.demote_format, need, &protect, &mut scratch)?;
+        // Frames as large as the largest missing page, one per page: enough whatever their formats.
+        let room = tiering::Room {
+            uid: Some(s.owner.uid),
+            frame_len: missing.iter().map(|(_, p)| p.footprint()).max().unwrap_or(0),
+            count: missing.len() as u64,
+        };
+        tiering::make_room(&mut core, self.flash.as_ref(), t.demote_format, room, &protect, &mut scratch)?;
         for &(r, place) in &missing {
             if matches!(place, Place::Dram(_)) {
                 tiering::promote_from_dram(&mut core, r, &mut scratch)?;

@@ -76,7 +76,8 @@ pub fn tier_task(daemon: Arc<Daemon>) {
             let budget = core.pool.budget();
             if core.pool.used() > budget / 100 * u64::from(t.high_watermark) {
                 let need = budget - budget / 100 * u64::from(t.low_watermark);
-                tiering::make_room(&mut core, daemon.flash.as_ref(), t.demote_format, need, &none, &mut scratch)
+                let room = tiering::Room { uid: None, frame_len: need, count: 1 };
+                tiering::make_room(&mut core, daemon.flash.as_ref(), t.demote_format, room, &none, &mut scratch)
             } else {
                 Ok(true)
             }

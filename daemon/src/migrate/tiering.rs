@@ -419,24 +419,56 @@ pub fn commit_flash_reads(
     Ok(lost)
 }
 
-/// Frees device bytes until `need` more fit the device budget, demoting the coldest unprotected
-/// pages to DRAM (and, when DRAM is full, its coldest pages to flash first, with the flash I/O
-/// under the core lock: this is the synchronous path; the background task keeps it rare). Returns
-/// whether `need` fits now.
+/// What [`make_room`] must make fit: `count` frames of `frame_len` bytes in the arena of `uid`, or
+/// (`uid` `None`) just that many bytes of the device budget.
+#[derive(Clone, Copy, Debug)]
+pub struct Room {
+    pub uid: Option<u32>,
+    pub frame_len: u64,
+    pub count: u64,
+}
+
+impl Room {
+    /// Bytes of budget the frames take.
+    fn bytes(&self) -> u64 {
+        crate::pool::frame_bytes(self.frame_len).saturating_mul(self.count)
+    }
+
+    fn fits(&self, core: &Core) -> bool {
+        match self.uid {
+            Some(uid) => core.pool.fits(uid, self.frame_len, self.count),
+            None => core.pool.budget() - core.pool.used() >= self.bytes(),
+        }
+    }
+}
+
+/// Demotes the coldest unprotected pages until `room` fits: to DRAM, and when DRAM is full its
+/// coldest pages to flash first (with the flash I/O under the core lock: this is the synchronous
+/// path; the tier thread's watermarks keep it rare). When the budget has the bytes but the arena's
+/// free space is cut into holes too small for the frames (pages of mixed formats), pages of that
+/// arena are demoted until holes join. Returns whether `room` fits now.
 pub fn make_room(
     core: &mut Core,
     flash: Option<&Mutex<FlashFile>>,
     format: Option<Format>,
-    need: u64,
+    room: Room,
     protect: &HashSet<PageRef>,
     scratch: &mut Scratch,
 ) -> Result<bool> {
-    for _ in 0..8 {
-        let free = core.pool.budget() - core.pool.used();
-        if free >= need {
+    for _ in 0..16 {
+        if room.fits(core) {
             return Ok(true);
         }
-        let victims = pick_victims(core, From::Device, need - free, protect);
+        let free = core.pool.budget() - core.pool.used();
+        let need = room.bytes();
+        // Short of budget: any session's pages help. Short of a hole: only the arena's own do.
+        let (bytes, only) = if free < need { (need - free, None) } else { (need, room.uid) };
+        let victims: Vec<PageRef> = pick_victims(core, From::Device, bytes, protect)
+            .into_iter()
+            .filter(|r| {
+                only.is_none_or(|uid| core.sessions.get_unchecked(r.session).is_some_and(|s| s.owner.uid == uid))
+            })
+            .collect();
         if victims.is_empty() {
             return Ok(false);
         }
@@ -444,13 +476,13 @@ pub fn make_room(
         if moved == 0 {
             // DRAM is full (or absent): push its coldest pages to flash, then try again.
             let Some(flash) = flash else { return Ok(false) };
-            let room = victims.iter().filter_map(|r| footprint(core, *r)).sum::<u64>();
-            if spill_dram(core, flash, room, protect)? == 0 {
+            let spill = victims.iter().filter_map(|r| footprint(core, *r)).sum::<u64>();
+            if spill_dram(core, flash, spill, protect)? == 0 {
                 return Ok(false);
             }
         }
     }
-    Ok(core.pool.budget() - core.pool.used() >= need)
+    Ok(room.fits(core))
 }
 
 /// Moves at least `bytes` of the coldest DRAM pages to flash, synchronously; returns pages moved.

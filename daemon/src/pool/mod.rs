@@ -11,6 +11,11 @@ use std::collections::HashMap;
 
 use kvmm_store::extent::ExtentAllocator;
 
+/// Bytes of budget a frame of `len` bytes takes (its length rounded to the frame alignment).
+pub fn frame_bytes(len: u64) -> u64 {
+    ExtentAllocator::frame_len(len)
+}
+
 pub use arena::{Arena, Frame, PrefaultJob};
 
 use crate::error::{Error, Result};
@@ -122,6 +127,24 @@ impl Pool {
         Ok(frame)
     }
 
+    /// Whether `count` frames of `len` bytes fit both the budget and the free space of `uid`'s
+    /// arena (holes are counted whole frames at a time; a uid without an arena yet has all of it).
+    pub fn fits(&self, uid: u32, len: u64, count: u64) -> bool {
+        let need = frame_bytes(len);
+        if need.saturating_mul(count) > self.budget - self.used {
+            return false;
+        }
+        let Some(arena) = self.arenas.get(&uid) else { return true };
+        let mut room = 0u64;
+        for (_, hole) in arena.frames().free_extents() {
+            room += hole / need;
+            if room >= count {
+                return true;
+            }
+        }
+        false
+    }
+
     /// Zeroes and frees a frame of `uid`'s arena.
     pub fn free_frame(&mut self, uid: u32, frame: Frame) -> Result<()> {
         let arena = self
@@ -196,5 +219,21 @@ mod tests {
         let tail = pool.alloc_move_target(7, 1_000, None).unwrap().unwrap();
         assert_eq!(tail.offset, f[0].offset + 6_720);
         assert!(pool.shrink_frame(7, small, 10_000).is_err(), "frames never grow in place");
+    }
+
+    #[test]
+    fn fits_sees_holes_too_small_for_a_frame_though_the_budget_has_the_bytes() {
+        let mut pool = Pool::new(2 << 20);
+        // Fill the arena with small frames, then free every other one: half the budget is free,
+        // in holes of 14,336 bytes.
+        let small = pool.alloc_frames(3, 14_336, (2 << 20) / 14_336).unwrap();
+        for f in small.iter().step_by(2) {
+            pool.free_frame(3, *f).unwrap();
+        }
+        assert!(pool.budget() - pool.used() > 25_408 * 4);
+        assert!(!pool.fits(3, 25_408, 1), "no hole takes an f16 page");
+        assert!(pool.fits(3, 14_336, 4));
+        assert!(pool.fits(9, 25_408, 1), "a uid without an arena only needs the budget");
+        assert!(!pool.fits(3, 14_336, 1_000), "nor more than the budget");
     }
 }
