@@ -27,6 +27,7 @@ use std::borrow::Cow;
 use std::io;
 
 use aes_gcm::aead::AeadInOut;
+use aes_gcm::aead::inout::InOutBuf;
 
 pub use aad::{AAD_LEN, AAD_VERSION, MAX_COUNTER, NONCE_LEN, PageAad, SealNonce, TIER_DRAM, TIER_FLASH};
 pub use counters::SlotCounters;
@@ -45,16 +46,8 @@ pub const TAG_LEN: usize = 16;
 /// [`SealError::Mismatch`] when `aad` disagrees with `nonce` (tier, counter) or with `buf` (length);
 /// [`SealError::TooLong`] for a buffer longer than a `u32` can say.
 pub fn seal(key: &SessionKey, nonce: SealNonce, aad: &PageAad, buf: &mut [u8]) -> Result<[u8; TAG_LEN], SealError> {
-    let len = buf.len();
-    let len32 = u32::try_from(len).map_err(|_| SealError::TooLong { len })?;
-    check_equal("tier", "nonce", u64::from(aad.tier), u64::from(nonce.tier()))?;
-    check_equal("counter", "nonce", aad.counter, nonce.counter())?;
-    check_equal("len", "buffer", u64::from(aad.len), u64::from(len32))?;
-    let tag = key
-        .cipher()
-        .encrypt_inout_detached(&aes_gcm::Nonce::from(nonce.to_bytes()), &aad.encode(), buf.into())
-        .map_err(|_| SealError::TooLong { len })?;
-    Ok(tag.into())
+    check_seal(nonce, aad, buf.len())?;
+    encrypt(key, nonce, aad, buf.into())
 }
 
 /// Opens `buf`, sealed by [`seal`] with `nonce`, `aad` and `tag`, in place.
@@ -73,24 +66,8 @@ pub fn open(
     buf: &mut [u8],
     tag: [u8; TAG_LEN],
 ) -> Result<(), SealError> {
-    let opened = key.cipher().decrypt_inout_detached(
-        &aes_gcm::Nonce::from(nonce.to_bytes()),
-        &aad.encode(),
-        (&mut *buf).into(),
-        &aes_gcm::Tag::from(tag),
-    );
-    if opened.is_err() {
-        buf.fill(0);
-        return Err(SealError::Tag {
-            session: aad.session,
-            layer: aad.layer,
-            block: aad.block,
-            tier: nonce.tier(),
-            slot: nonce.slot(),
-            counter: nonce.counter(),
-        });
-    }
-    Ok(())
+    let opened = decrypt(key, nonce, aad, (&mut *buf).into(), tag);
+    finish_open(opened, nonce, aad, buf)
 }
 
 /// Seals `src` into `dst` (the same length), like [`seal`] without first copying `src` to `dst`.
@@ -105,22 +82,15 @@ pub fn seal_into(
     src: &[u8],
     dst: &mut [u8],
 ) -> Result<[u8; TAG_LEN], SealError> {
-    let len = src.len();
-    let len32 = u32::try_from(len).map_err(|_| SealError::TooLong { len })?;
-    check_equal("tier", "nonce", u64::from(aad.tier), u64::from(nonce.tier()))?;
-    check_equal("counter", "nonce", aad.counter, nonce.counter())?;
-    check_equal("len", "buffer", u64::from(aad.len), u64::from(len32))?;
-    let buf = aes_gcm::aead::inout::InOutBuf::new(src, dst).map_err(|_| SealError::Mismatch {
+    check_seal(nonce, aad, src.len())?;
+    let found = dst.len() as u64;
+    let buf = InOutBuf::new(src, dst).map_err(|_| SealError::Mismatch {
         field: "len",
         against: "output buffer",
-        in_aad: len as u64,
-        found: 0,
+        in_aad: u64::from(aad.len),
+        found,
     })?;
-    let tag = key
-        .cipher()
-        .encrypt_inout_detached(&aes_gcm::Nonce::from(nonce.to_bytes()), &aad.encode(), buf)
-        .map_err(|_| SealError::TooLong { len })?;
-    Ok(tag.into())
+    encrypt(key, nonce, aad, buf)
 }
 
 /// Opens `src` (sealed by [`seal`] or [`seal_into`]) into `dst` (the same length). The tag is
@@ -134,28 +104,53 @@ pub fn open_into(
     dst: &mut [u8],
     tag: [u8; TAG_LEN],
 ) -> Result<(), SealError> {
-    let opened = aes_gcm::aead::inout::InOutBuf::new(src, &mut *dst).ok().and_then(|buf| {
-        key.cipher()
-            .decrypt_inout_detached(
-                &aes_gcm::Nonce::from(nonce.to_bytes()),
-                &aad.encode(),
-                buf,
-                &aes_gcm::Tag::from(tag),
-            )
-            .ok()
-    });
-    if opened.is_none() {
-        dst.fill(0);
-        return Err(SealError::Tag {
-            session: aad.session,
-            layer: aad.layer,
-            block: aad.block,
-            tier: nonce.tier(),
-            slot: nonce.slot(),
-            counter: nonce.counter(),
-        });
+    let opened = InOutBuf::new(src, &mut *dst).is_ok_and(|buf| decrypt(key, nonce, aad, buf, tag));
+    finish_open(opened, nonce, aad, dst)
+}
+
+/// The checks of a seal that need no bytes: the AAD agrees with the nonce and the length.
+fn check_seal(nonce: SealNonce, aad: &PageAad, len: usize) -> Result<(), SealError> {
+    let len32 = u32::try_from(len).map_err(|_| SealError::TooLong { len })?;
+    check_equal("tier", "nonce", u64::from(aad.tier), u64::from(nonce.tier()))?;
+    check_equal("counter", "nonce", aad.counter, nonce.counter())?;
+    check_equal("len", "buffer", u64::from(aad.len), u64::from(len32))
+}
+
+fn encrypt(
+    key: &SessionKey,
+    nonce: SealNonce,
+    aad: &PageAad,
+    buf: InOutBuf<'_, '_, u8>,
+) -> Result<[u8; TAG_LEN], SealError> {
+    let len = buf.len();
+    let tag = key
+        .cipher()
+        .encrypt_inout_detached(&aes_gcm::Nonce::from(nonce.to_bytes()), &aad.encode(), buf)
+        .map_err(|_| SealError::TooLong { len })?;
+    Ok(tag.into())
+}
+
+/// Whether the tag verified (and the output was decrypted).
+fn decrypt(key: &SessionKey, nonce: SealNonce, aad: &PageAad, buf: InOutBuf<'_, '_, u8>, tag: [u8; TAG_LEN]) -> bool {
+    key.cipher()
+        .decrypt_inout_detached(&aes_gcm::Nonce::from(nonce.to_bytes()), &aad.encode(), buf, &aes_gcm::Tag::from(tag))
+        .is_ok()
+}
+
+/// A failed open zeroes the output and names the page.
+fn finish_open(opened: bool, nonce: SealNonce, aad: &PageAad, out: &mut [u8]) -> Result<(), SealError> {
+    if opened {
+        return Ok(());
     }
-    Ok(())
+    out.fill(0);
+    Err(SealError::Tag {
+        session: aad.session,
+        layer: aad.layer,
+        block: aad.block,
+        tier: nonce.tier(),
+        slot: nonce.slot(),
+        counter: nonce.counter(),
+    })
 }
 
 fn check_equal(field: &'static str, against: &'static str, in_aad: u64, found: u64) -> Result<(), SealError> {
