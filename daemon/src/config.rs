@@ -171,6 +171,8 @@ pub struct Overrides {
     pub io_engine: Option<String>,
     /// `--demote-format`.
     pub demote_format: Option<String>,
+    /// `--debug-io-faults`: faults armed in the flash tier's I/O engine at start (tests only).
+    pub debug_io_faults: Option<String>,
 }
 
 /// The merged configuration with every value decided.
@@ -192,6 +194,9 @@ pub struct Resolved {
     pub compaction_interval: Option<std::time::Duration>,
     /// Whether the move-churn test driver runs.
     pub debug_move_churn: bool,
+    /// Faults armed in the flash tier's I/O engine at start (tests of the failure paths), as
+    /// `OP:ERRNO:COUNT` items separated by commas: OP `read` or `write`, ERRNO `EIO` or `ENOSPC`.
+    pub debug_io_faults: Vec<kvmm_store::io::Fault>,
     /// The tiers below the device.
     pub tiers: Tiers,
 }
@@ -276,8 +281,34 @@ impl FileConfig {
             log: cli.log.or(self.log).unwrap_or_else(|| "info".to_owned()),
             compaction_interval: (interval > 0).then(|| std::time::Duration::from_millis(interval)),
             debug_move_churn: cli.debug_move_churn,
+            debug_io_faults: cli.debug_io_faults.as_deref().map(parse_io_faults).transpose()?.unwrap_or_default(),
         })
     }
+}
+
+/// Parses `--debug-io-faults`: `OP:ERRNO:COUNT[,...]`, OP `read` or `write`, ERRNO `EIO` or `ENOSPC`.
+fn parse_io_faults(text: &str) -> Result<Vec<kvmm_store::io::Fault>> {
+    text.split(',')
+        .map(|item| {
+            let bad = || {
+                Error::InvalidArgument(format!(
+                    "--debug-io-faults item '{item}' is not OP:ERRNO:COUNT (read|write : EIO|ENOSPC : a number)"
+                ))
+            };
+            let mut parts = item.trim().split(':');
+            let (op, errno, count) = (parts.next(), parts.next(), parts.next().and_then(|n| n.parse::<u32>().ok()));
+            let errno = match errno {
+                Some("EIO") => libc::EIO,
+                Some("ENOSPC") => libc::ENOSPC,
+                _ => return Err(bad()),
+            };
+            match (op, count) {
+                (Some("read"), Some(n)) => Ok(kvmm_store::io::Fault::read_error(errno, n)),
+                (Some("write"), Some(n)) => Ok(kvmm_store::io::Fault::write_error(errno, n)),
+                _ => Err(bad()),
+            }
+        })
+        .collect()
 }
 
 /// Decides the `[tiers]` values: flags over the file over defaults.

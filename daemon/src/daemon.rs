@@ -194,7 +194,17 @@ impl Daemon {
             let probed =
                 probe(t.io_engine, 64, Some(Arc::clone(&buffers))).map_err(kvmm_store::tier::TierError::from)?;
             let kind = probed.engine.kind();
-            let file = FlashFile::create(&t.flash_path, t.flash_budget, probed.engine, Some(buffers))?;
+            let engine: Arc<dyn kvmm_store::io::IoEngine> = if config.debug_io_faults.is_empty() {
+                probed.engine
+            } else {
+                tracing::warn!(faults = ?config.debug_io_faults, "debug I/O faults are armed (a test mode)");
+                let faulty = kvmm_store::io::FaultyEngine::new(probed.engine);
+                for fault in &config.debug_io_faults {
+                    faulty.arm(fault.clone());
+                }
+                Arc::new(faulty)
+            };
+            let file = FlashFile::create(&t.flash_path, t.flash_budget, engine, Some(buffers))?;
             tracing::info!(path = %t.flash_path.display(), bytes = t.flash_budget, engine = %kind, direct = file.is_direct(), "flash tier ready");
             (Some(Mutex::new(file)), Some((kind, probed.fallback)))
         } else {

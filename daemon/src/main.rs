@@ -52,6 +52,9 @@ struct Cli {
     /// Format of demoted pages: q8, q4, q2, k8v4, or none to keep them exact [default: q8].
     #[arg(long, value_name = "FORMAT")]
     demote_format: Option<String>,
+    /// Test mode: faults armed in the flash I/O engine, e.g. write:EIO:1,read:EIO:1.
+    #[arg(long, hide = true, value_name = "SPEC")]
+    debug_io_faults: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -83,6 +86,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         flash_dir: cli.flash_dir,
         io_engine: cli.io_engine,
         demote_format: cli.demote_format,
+        debug_io_faults: cli.debug_io_faults,
     };
     let config = file.resolve(overrides, &Environment::from_process()?)?;
     tracing_subscriber::fmt()

@@ -289,3 +289,61 @@ fn a_canary_written_through_the_client_is_nowhere_in_the_flash_file() {
     c.expect_line("detached");
     assert!(daemon.stop().success());
 }
+
+#[test]
+fn injected_flash_errors_fail_only_their_pages_and_leak_nothing() {
+    let flash = tempfile::tempdir().unwrap();
+    let daemon = start(
+        flash.path(),
+        &[
+            "--device-budget",
+            "64MiB",
+            "--dram-budget",
+            "16MiB",
+            "--flash-budget",
+            "16MiB",
+            "--demote-format",
+            "none",
+            "--debug-io-faults",
+            "write:EIO:1,read:EIO:1",
+        ],
+    );
+    let mut a = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "11"]);
+    let mut b = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "12"]);
+    let sa: u64 = fields(&a.expect_line("appended"))["session"].parse().unwrap();
+    let sb: u64 = fields(&b.expect_line("appended"))["session"].parse().unwrap();
+    b.send("digest");
+    let b_before = fields(&b.expect_line("digest"));
+
+    // The first flash write fails: the pages stay in DRAM, counted once, and a retry lands.
+    assert_eq!(daemon.demote(sa, Tier::Flash).demoted, 0);
+    let s = daemon.status();
+    let flash_tier = s.tiers.iter().find(|t| t.tier == "flash").unwrap();
+    assert_eq!((flash_tier.io_failures, flash_tier.pages, flash_tier.used_bytes), (18, 0, 0), "{s:?}");
+    assert_eq!(s.tiers.iter().find(|t| t.tier == "dram").unwrap().pages, 18);
+    assert_eq!(daemon.demote(sa, Tier::Flash).demoted, 18);
+    assert_eq!(daemon.demote(sb, Tier::Flash).demoted, 18);
+
+    // The first flash read fails: A's fault reports it (INTERNAL, naming the read), B is untouched.
+    a.send("digest");
+    let line = a.expect_line("error");
+    assert!(line.contains("code=Internal") && line.contains("read of"), "{line}");
+    b.send("digest");
+    let b_after = fields(&b.expect_line("digest"));
+    assert_eq!(b_after["value"], b_before["value"], "the other session lost nothing");
+
+    // A's process is gone: its session is destroyed, and nothing of it stays in any tier (the
+    // frames taken for its failed read were given back).
+    let (s, _) = daemon.wait_status(Duration::from_secs(5), |s| s.sessions == 1);
+    let pages: u64 = s.tiers.iter().map(|t| t.pages).sum();
+    // 300 tokens take 10 pages per layer, allocated in batches of 4: 12 blocks × 2 layers.
+    assert_eq!(pages, 2 * 12, "B's pages only: {s:?}");
+    assert_eq!(s.tiers[0].used_bytes, s.session_bytes);
+    b.send("exit");
+    b.expect_line("detached");
+    let (s, _) = daemon.wait_status(Duration::from_secs(5), |s| s.sessions == 0);
+    for t in &s.tiers {
+        assert_eq!((t.used_bytes, t.pages), (0, 0), "{t:?}");
+    }
+    assert!(daemon.stop().success());
+}

@@ -386,6 +386,7 @@ pub fn commit_flash_reads(
     let Core { pool, sessions, tier_counters, .. } = core;
     let mut lost = Vec::new();
     let mut freed = Vec::new();
+    let mut failed: Option<TierError> = None;
     for (i, result) in inbound.into_iter().zip(read) {
         let still = sessions
             .get_mut_unchecked(i.page.session)
@@ -403,8 +404,10 @@ pub fn commit_flash_reads(
                 if e.is_data_loss() && still.is_some() {
                     tier_counters.data_loss += 1;
                     lost.push((i.page, e));
-                } else if still.is_some() {
-                    return Err(e.into());
+                } else if still.is_some() && failed.is_none() {
+                    // Reported after every other page of the batch is settled (frames freed or
+                    // published): an early return here would leak their frames.
+                    failed = Some(e);
                 }
             }
             (None, Ok(())) => pool.free_frame(i.uid, i.frame)?,
@@ -416,7 +419,10 @@ pub fn commit_flash_reads(
             flash.free(slot);
         }
     }
-    Ok(lost)
+    match failed {
+        Some(e) => Err(e.into()),
+        None => Ok(lost),
+    }
 }
 
 /// What [`make_room`] must make fit: `count` frames of `frame_len` bytes in the arena of `uid`, or

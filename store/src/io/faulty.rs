@@ -24,7 +24,7 @@ pub enum FaultAction {
 }
 
 /// One armed fault.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Fault {
     /// `Some(true)`: reads only; `Some(false)`: writes only; `None`: both.
     pub reads: Option<bool>,
