@@ -687,11 +687,7 @@ impl Daemon {
                 .filter(|r| s.pages.page(r.layer, r.block).is_some_and(|p| matches!(p.place, Place::Dram(_))))
                 .copied()
                 .collect();
-            let out = tiering::take_from_dram(&mut core, &in_dram)?;
-            drop(core);
-            let written = tiering::write_to_flash(&mut flash.lock(), &out);
-            core = self.core.lock();
-            tiering::commit_to_flash(&mut core, flash, out, written);
+            tiering::move_to_flash(&mut core, flash, &in_dram)?;
         }
         let s = core.sessions.get_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
         let there = refs

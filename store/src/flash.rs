@@ -77,10 +77,8 @@ pub struct FlashFile {
     file: File,
     /// Where it lives.
     path: PathBuf,
-    /// Whether O_DIRECT is in effect (false on filesystems that refuse it; `fallback` says why).
+    /// Whether O_DIRECT is in effect (false on filesystems that refuse it; the reason is logged).
     direct: bool,
-    /// Why the file runs without O_DIRECT or preallocation, if it does.
-    fallback: Option<String>,
     /// Carries the I/O.
     engine: Arc<dyn IoEngine>,
     /// Staging chunks (registered with the engine when it is io_uring), if given.
@@ -129,16 +127,14 @@ impl FlashFile {
             }
             Err(e) => return Err(fail(e.to_string())),
         }
-        let fallback = (!fallback.is_empty()).then(|| fallback.join("; "));
-        if let Some(reason) = &fallback {
-            tracing::warn!(path = %path.display(), %reason, "flash file degraded");
+        if !fallback.is_empty() {
+            tracing::warn!(path = %path.display(), reason = %fallback.join("; "), "flash file degraded");
         }
         let blocks = (capacity / IO_ALIGN as u64) as u32;
         Ok(FlashFile {
             file: File::from(fd),
             path: path.to_owned(),
             direct,
-            fallback,
             engine,
             buffers,
             slots: ExtentAllocator::with_align(capacity, IO_ALIGN as u64),
@@ -155,16 +151,6 @@ impl FlashFile {
     /// Whether O_DIRECT is in effect.
     pub fn is_direct(&self) -> bool {
         self.direct
-    }
-
-    /// Why the file runs without O_DIRECT or preallocation, if it does.
-    pub fn fallback(&self) -> Option<&str> {
-        self.fallback.as_deref()
-    }
-
-    /// The engine's kind, for stats.
-    pub fn engine(&self) -> &Arc<dyn IoEngine> {
-        &self.engine
     }
 
     /// Bytes a slot for a page of `len` bytes takes.

@@ -86,27 +86,16 @@ pub fn tier_task(daemon: Arc<Daemon>) {
             tracing::warn!(error = %e, "background demotion from the device failed");
         }
         if let Some(flash) = daemon.flash.as_ref() {
-            let out = {
-                let mut core = daemon.core.lock();
-                let over = core.dram.as_ref().map(kvmm_store::tier::Tier::stats).and_then(|d| {
-                    (d.used > d.budget / 100 * u64::from(t.high_watermark))
-                        .then(|| d.used - d.budget / 100 * u64::from(t.low_watermark))
-                });
-                match over {
-                    Some(bytes) => {
-                        let victims = tiering::pick_victims(&core, tiering::From::Dram, bytes, &none);
-                        tiering::take_from_dram(&mut core, &victims)
-                    }
-                    None => Ok(Vec::new()),
+            let mut core = daemon.core.lock();
+            let over = core.dram.as_ref().map(kvmm_store::tier::Tier::stats).and_then(|d| {
+                (d.used > d.budget / 100 * u64::from(t.high_watermark))
+                    .then(|| d.used - d.budget / 100 * u64::from(t.low_watermark))
+            });
+            if let Some(bytes) = over {
+                let victims = tiering::pick_victims(&core, tiering::VictimTier::Dram, bytes, &none);
+                if let Err(e) = tiering::move_to_flash(&mut core, flash, &victims) {
+                    tracing::warn!(error = %e, "background demotion to flash failed");
                 }
-            };
-            match out {
-                Ok(out) if !out.is_empty() => {
-                    let written = tiering::write_to_flash(&mut flash.lock(), &out);
-                    tiering::commit_to_flash(&mut daemon.core.lock(), flash, out, written);
-                }
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "background demotion to flash failed"),
             }
         }
     }

@@ -32,10 +32,11 @@ use std::time::{Duration, Instant};
 use kvmm_kernels::Format;
 use kvmm_shm::PageLocation;
 use kvmm_store::dram::DramSlot;
+use kvmm_store::extent::ExtentAllocator;
 use kvmm_store::flash::{FlashFile, FlashSlot};
 use kvmm_store::seal::SessionKey;
-use kvmm_store::tier::{PageId, PageRead, PageWrite, Tier, TierError, TierKind};
-use parking_lot::Mutex;
+use kvmm_store::tier::{PageId, PageRead, PageWrite, Tier, TierError};
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::daemon::Core;
 use crate::error::{Error, Result};
@@ -85,7 +86,7 @@ pub struct Scratch {
 
 /// Which tier [`pick_victims`] looks in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum From {
+pub enum VictimTier {
     Device,
     Dram,
 }
@@ -93,13 +94,13 @@ pub enum From {
 /// The coldest pages in `from` whose footprints add up to at least `bytes` (fewer if there are not
 /// enough), leaving out `protect`, and pages promoted within [`HOT_AFTER_FAULT`] unless the others
 /// are not enough.
-pub fn pick_victims(core: &Core, from: From, bytes: u64, protect: &HashSet<PageRef>) -> Vec<PageRef> {
+pub fn pick_victims(core: &Core, from: VictimTier, bytes: u64, protect: &HashSet<PageRef>) -> Vec<PageRef> {
     let cold = pick(core, from, bytes, protect, true);
     let total: u64 = cold.iter().filter_map(|r| footprint(core, *r)).sum();
     if total >= bytes { cold } else { pick(core, from, bytes, protect, false) }
 }
 
-fn pick(core: &Core, from: From, bytes: u64, protect: &HashSet<PageRef>, spare_hot: bool) -> Vec<PageRef> {
+fn pick(core: &Core, from: VictimTier, bytes: u64, protect: &HashSet<PageRef>, spare_hot: bool) -> Vec<PageRef> {
     let now = Instant::now();
     let mut candidates: Vec<(u8, f32, u32, PageRef, u64)> = Vec::new();
     for s in core.sessions.iter() {
@@ -110,7 +111,10 @@ fn pick(core: &Core, from: From, bytes: u64, protect: &HashSet<PageRef>, spare_h
         };
         let bt = s.geometry.block_tokens;
         for (layer, block, page) in s.pages.all() {
-            let wanted = matches!((from, page.place), (From::Device, Place::Device(_)) | (From::Dram, Place::Dram(_)));
+            let wanted = matches!(
+                (from, page.place),
+                (VictimTier::Device, Place::Device(_)) | (VictimTier::Dram, Place::Dram(_))
+            );
             let r = PageRef { session: s.id, layer, block };
             if !wanted || protect.contains(&r) || (spare_hot && s.hot(layer, block, now)) {
                 continue;
@@ -217,7 +221,7 @@ pub struct Outbound {
 
 /// DRAM → flash, phase 1 (core lock): copies `pages` out of the pool. Pages whose session has no
 /// key (no flash tier was configured at attach) stay where they are.
-pub fn take_from_dram(core: &mut Core, pages: &[PageRef]) -> Result<Vec<Outbound>> {
+fn take_from_dram(core: &mut Core, pages: &[PageRef]) -> Result<Vec<Outbound>> {
     let Core { sessions, dram, tier_counters, .. } = core;
     let Some(dram) = dram.as_mut() else { return Ok(Vec::new()) };
     let mut out = Vec::with_capacity(pages.len());
@@ -240,7 +244,7 @@ pub fn take_from_dram(core: &mut Core, pages: &[PageRef]) -> Result<Vec<Outbound
 }
 
 /// DRAM → flash, phase 2 (flash lock only): seals and writes the pages.
-pub fn write_to_flash(flash: &mut FlashFile, out: &[Outbound]) -> Vec<Result<FlashSlot, TierError>> {
+fn write_to_flash(flash: &mut FlashFile, out: &[Outbound]) -> Vec<Result<FlashSlot, TierError>> {
     let writes: Vec<PageWrite<'_>> =
         out.iter().map(|o| PageWrite { key: Some(&o.key), page: o.page.id(), bytes: &o.bytes }).collect();
     flash.put(&writes)
@@ -248,7 +252,7 @@ pub fn write_to_flash(flash: &mut FlashFile, out: &[Outbound]) -> Vec<Result<Fla
 
 /// DRAM → flash, phase 3 (core lock, then flash lock): every page still in the DRAM slot it was
 /// taken from now lives in its flash slot; the rest give their flash slot back. Returns pages moved.
-pub fn commit_to_flash(
+fn commit_to_flash(
     core: &mut Core,
     flash: &Mutex<FlashFile>,
     out: Vec<Outbound>,
@@ -437,7 +441,7 @@ pub struct Room {
 impl Room {
     /// Bytes of budget the frames take.
     fn bytes(&self) -> u64 {
-        crate::pool::frame_bytes(self.frame_len).saturating_mul(self.count)
+        ExtentAllocator::frame_len(self.frame_len).saturating_mul(self.count)
     }
 
     fn fits(&self, core: &Core) -> bool {
@@ -469,7 +473,7 @@ pub fn make_room(
         let need = room.bytes();
         // Short of budget: any session's pages help. Short of a hole: only the arena's own do.
         let (bytes, only) = if free < need { (need - free, None) } else { (need, room.uid) };
-        let victims: Vec<PageRef> = pick_victims(core, From::Device, bytes, protect)
+        let victims: Vec<PageRef> = pick_victims(core, VictimTier::Device, bytes, protect)
             .into_iter()
             .filter(|r| {
                 only.is_none_or(|uid| core.sessions.get_unchecked(r.session).is_some_and(|s| s.owner.uid == uid))
@@ -491,9 +495,21 @@ pub fn make_room(
     Ok(room.fits(core))
 }
 
+/// Moves `pages` from DRAM to flash with the flash I/O outside the core lock: the guard is
+/// released while the pages are sealed and written and taken again to commit them. Returns pages
+/// moved.
+pub fn move_to_flash(core: &mut MutexGuard<'_, Core>, flash: &Mutex<FlashFile>, pages: &[PageRef]) -> Result<u32> {
+    let out = take_from_dram(core, pages)?;
+    if out.is_empty() {
+        return Ok(0);
+    }
+    let written = MutexGuard::unlocked(core, || write_to_flash(&mut flash.lock(), &out));
+    Ok(commit_to_flash(core, flash, out, written))
+}
+
 /// Moves at least `bytes` of the coldest DRAM pages to flash, synchronously; returns pages moved.
 pub fn spill_dram(core: &mut Core, flash: &Mutex<FlashFile>, bytes: u64, protect: &HashSet<PageRef>) -> Result<u32> {
-    let victims = pick_victims(core, From::Dram, bytes, protect);
+    let victims = pick_victims(core, VictimTier::Dram, bytes, protect);
     if victims.is_empty() {
         return Ok(0);
     }
@@ -504,9 +520,4 @@ pub fn spill_dram(core: &mut Core, flash: &Mutex<FlashFile>, bytes: u64, protect
 
 fn footprint(core: &Core, r: PageRef) -> Option<u64> {
     core.sessions.get_unchecked(r.session)?.pages.page(r.layer, r.block).map(|p| p.place.footprint())
-}
-
-/// The tier a page is in, for replies.
-pub fn tier_of(core: &Core, r: PageRef) -> Option<TierKind> {
-    core.sessions.get_unchecked(r.session)?.pages.page(r.layer, r.block).map(|p| p.place.tier())
 }

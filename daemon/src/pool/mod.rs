@@ -11,11 +11,6 @@ use std::collections::HashMap;
 
 use kvmm_store::extent::ExtentAllocator;
 
-/// Bytes of budget a frame of `len` bytes takes (its length rounded to the frame alignment).
-pub fn frame_bytes(len: u64) -> u64 {
-    ExtentAllocator::frame_len(len)
-}
-
 pub use arena::{Arena, Frame, PrefaultJob};
 
 use crate::error::{Error, Result};
@@ -130,7 +125,7 @@ impl Pool {
     /// Whether `count` frames of `len` bytes fit both the budget and the free space of `uid`'s
     /// arena (holes are counted whole frames at a time; a uid without an arena yet has all of it).
     pub fn fits(&self, uid: u32, len: u64, count: u64) -> bool {
-        let need = frame_bytes(len);
+        let need = ExtentAllocator::frame_len(len);
         if need.saturating_mul(count) > self.budget - self.used {
             return false;
         }
