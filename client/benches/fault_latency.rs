@@ -13,21 +13,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod support;
+
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvmm_client::{Client, ElementType, Geometry, proto as pb};
-
-fn kvmmd() -> PathBuf {
-    if let Some(p) = std::env::var_os("KVMMD_BIN") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe.parent().and_then(|d| d.parent()).unwrap().join("kvmmd");
-    assert!(bin.exists(), "{} is missing: run `cargo build --release -p kvmm-daemon` first", bin.display());
-    bin
-}
 
 fn report(name: &str, mut samples: Vec<Duration>) {
     samples.sort_unstable();
@@ -40,21 +31,26 @@ fn main() {
     let flash_dir = std::env::var_os("KVMM_BENCH_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
     let flash = tempfile::tempdir_in(flash_dir).unwrap();
     let engine = std::env::var("KVMM_BENCH_ENGINE").unwrap_or_else(|_| "io_uring".to_owned());
-    let mut daemon = Command::new(kvmmd())
-        .arg("--runtime-dir")
-        .arg(dir.path())
-        .arg("--flash-dir")
-        .arg(flash.path())
-        .args(["--device-budget", "256MiB", "--dram-budget", "64MiB", "--flash-budget", "256MiB"])
-        .args(["--demote-format", "none", "--io-engine", &engine, "--log", "warn"])
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !dir.path().join("kvmm-admin.sock").exists() {
-        assert!(Instant::now() < deadline, "kvmmd did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let flash_dir = flash.path().to_str().expect("a UTF-8 temp path");
+    let daemon = support::start(
+        dir.path(),
+        &[
+            "--flash-dir",
+            flash_dir,
+            "--device-budget",
+            "256MiB",
+            "--dram-budget",
+            "64MiB",
+            "--flash-budget",
+            "256MiB",
+            "--demote-format",
+            "none",
+            "--io-engine",
+            &engine,
+            "--log",
+            "warn",
+        ],
+    );
     let client = Client::connect(dir.path().join("kvmm.sock")).unwrap();
     // SmolLM2-135M's KV heads: 25,408-byte f16 pages; 2 layers of 33 full pages.
     let geometry = Geometry {
@@ -109,10 +105,5 @@ fn main() {
     }
     drop(session);
     drop(client);
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(daemon.id() as i32).unwrap(),
-        rustix::process::Signal::TERM,
-    )
-    .unwrap();
-    assert!(daemon.wait().unwrap().success());
+    support::stop(daemon);
 }

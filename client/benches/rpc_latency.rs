@@ -10,26 +10,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
+mod support;
+
 use std::time::{Duration, Instant};
 
 use kvmm_client::{Client, ElementType, Geometry, proto as pb};
-
-fn kvmmd() -> PathBuf {
-    if let Some(p) = std::env::var_os("KVMMD_BIN") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(|d| d.parent()).unwrap();
-    let bin = dir.join("kvmmd");
-    assert!(
-        bin.exists(),
-        "{} is missing: run `cargo build --release -p kvmm-daemon` first or set KVMMD_BIN",
-        bin.display()
-    );
-    bin
-}
 
 fn percentiles(name: &str, mut samples: Vec<Duration>) {
     samples.sort_unstable();
@@ -47,19 +32,8 @@ fn percentiles(name: &str, mut samples: Vec<Duration>) {
 fn main() {
     // `cargo bench` passes --bench; a test run of benches passes nothing useful either way.
     let dir = tempfile::tempdir().unwrap();
-    let mut daemon = Command::new(kvmmd())
-        .arg("--runtime-dir")
-        .arg(dir.path())
-        .args(["--device-budget", "2GiB", "--log", "warn"])
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let daemon = support::start(dir.path(), &["--device-budget", "2GiB", "--log", "warn"]);
     let socket = dir.path().join("kvmm.sock");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !dir.path().join("kvmm-admin.sock").exists() {
-        assert!(Instant::now() < deadline, "kvmmd did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
     let client = Client::connect(&socket).unwrap();
 
     // SmolLM2-135M: 30 layers, 3 KV heads, 9 query heads, head_dim 64: a 24 KiB page per layer.
@@ -118,10 +92,5 @@ fn main() {
     percentiles("SessionStats (RPC round trip floor)", stats);
     drop(s);
     drop(client);
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(daemon.id() as i32).unwrap(),
-        rustix::process::Signal::TERM,
-    )
-    .unwrap();
-    assert!(daemon.wait().unwrap().success());
+    support::stop(daemon);
 }

@@ -102,26 +102,24 @@ impl Daemon {
         self.child.as_ref().unwrap().id()
     }
 
-    /// Admin `Status`.
-    pub fn status(&self) -> StatusResponse {
+    /// Runs `call` against a fresh admin connection.
+    fn admin<T>(&self, call: impl AsyncFnOnce(AdminClient<tonic::transport::Channel>) -> T) -> T {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
             let channel = kvmm_client::connect::channel(&self.dir.path().join("kvmm-admin.sock")).await.unwrap();
-            AdminClient::new(channel).status(StatusRequest {}).await.unwrap().into_inner()
+            call(AdminClient::new(channel)).await
         })
+    }
+
+    /// Admin `Status`.
+    pub fn status(&self) -> StatusResponse {
+        self.admin(async |mut admin| admin.status(StatusRequest {}).await.unwrap().into_inner())
     }
 
     /// Admin `Demote` of every full page of a session to `tier`.
     pub fn demote(&self, session_id: u64, tier: kvmm_proto::v1::Tier) -> kvmm_proto::v1::DemoteResponse {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        rt.block_on(async {
-            let channel = kvmm_client::connect::channel(&self.dir.path().join("kvmm-admin.sock")).await.unwrap();
-            kvmm_proto::v1::admin_client::AdminClient::new(channel)
-                .demote(kvmm_proto::v1::DemoteRequest { session_id, tier: tier as i32, ..Default::default() })
-                .await
-                .unwrap()
-                .into_inner()
-        })
+        let request = kvmm_proto::v1::DemoteRequest { session_id, tier: tier as i32, ..Default::default() };
+        self.admin(async |mut admin| admin.demote(request).await.unwrap().into_inner())
     }
 
     /// Admin `Compress` of every full page of a session.
@@ -135,14 +133,8 @@ impl Daemon {
         session_id: u64,
         format: kvmm_proto::v1::PageFormat,
     ) -> Result<kvmm_proto::v1::CompressResponse, tonic::Status> {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        rt.block_on(async {
-            let channel = kvmm_client::connect::channel(&self.dir.path().join("kvmm-admin.sock")).await.unwrap();
-            AdminClient::new(channel)
-                .compress(kvmm_proto::v1::CompressRequest { session_id, format: format as i32, ..Default::default() })
-                .await
-                .map(tonic::Response::into_inner)
-        })
+        let request = kvmm_proto::v1::CompressRequest { session_id, format: format as i32, ..Default::default() };
+        self.admin(async |mut admin| admin.compress(request).await.map(tonic::Response::into_inner))
     }
 
     /// Device-tier bytes in use.

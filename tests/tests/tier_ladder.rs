@@ -25,23 +25,17 @@ fn start(flash_dir: &std::path::Path, extra: &[&str]) -> Daemon {
     Daemon::start(&args)
 }
 
+/// A daemon with room to spare in every tier (64 MiB device, 16 MiB DRAM and flash), so pages move
+/// only when a test moves them, plus `extra`.
+fn start_roomy(flash_dir: &std::path::Path, extra: &[&str]) -> Daemon {
+    let mut args = vec!["--device-budget", "64MiB", "--dram-budget", "16MiB", "--flash-budget", "16MiB"];
+    args.extend_from_slice(extra);
+    start(flash_dir, &args)
+}
+
 fn lossless_ladder_on(engine: &str) {
     let flash = tempfile::tempdir().unwrap();
-    let daemon = start(
-        flash.path(),
-        &[
-            "--device-budget",
-            "64MiB",
-            "--dram-budget",
-            "16MiB",
-            "--flash-budget",
-            "16MiB",
-            "--demote-format",
-            "none",
-            "--io-engine",
-            engine,
-        ],
-    );
+    let daemon = start_roomy(flash.path(), &["--demote-format", "none", "--io-engine", engine]);
     let status = daemon.status();
     assert_eq!(status.io_engine, engine, "fallback: {}", status.io_fallback);
     // 300 tokens per layer: 9 full pages and a tail of 12 tokens in each of 2 layers.
@@ -89,8 +83,7 @@ fn pages_forced_to_flash_and_back_are_bit_identical_on_pread() {
 #[test]
 fn pages_demoted_as_q8_decode_as_the_quantizer_says() {
     let flash = tempfile::tempdir().unwrap();
-    let daemon =
-        start(flash.path(), &["--device-budget", "64MiB", "--dram-budget", "16MiB", "--flash-budget", "16MiB"]);
+    let daemon = start_roomy(flash.path(), &[]);
     let mut c = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "6"]);
     let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
     let r = daemon.demote(session, Tier::Dram);
@@ -200,10 +193,7 @@ fn record_of(flash: &[u8], layer: u32, block: u32) -> usize {
 #[test]
 fn a_flipped_byte_on_flash_is_data_loss_for_that_page_and_the_daemon_serves_on() {
     let flash = tempfile::tempdir().unwrap();
-    let daemon = start(
-        flash.path(),
-        &["--device-budget", "64MiB", "--dram-budget", "16MiB", "--flash-budget", "16MiB", "--demote-format", "none"],
-    );
+    let daemon = start_roomy(flash.path(), &["--demote-format", "none"]);
     let mut c = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "7"]);
     let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
     assert_eq!(daemon.demote(session, Tier::Flash).demoted, 18);
@@ -234,10 +224,7 @@ fn a_flipped_byte_on_flash_is_data_loss_for_that_page_and_the_daemon_serves_on()
 #[test]
 fn a_prefetch_hint_brings_pages_back_without_faults() {
     let flash = tempfile::tempdir().unwrap();
-    let daemon = start(
-        flash.path(),
-        &["--device-budget", "64MiB", "--dram-budget", "16MiB", "--flash-budget", "16MiB", "--demote-format", "none"],
-    );
+    let daemon = start_roomy(flash.path(), &["--demote-format", "none"]);
     let mut c = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "9"]);
     let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
     c.send("digest");
@@ -270,10 +257,7 @@ fn a_prefetch_hint_brings_pages_back_without_faults() {
 #[test]
 fn a_canary_written_through_the_client_is_nowhere_in_the_flash_file() {
     let flash = tempfile::tempdir().unwrap();
-    let daemon = start(
-        flash.path(),
-        &["--device-budget", "64MiB", "--dram-budget", "16MiB", "--flash-budget", "16MiB", "--demote-format", "none"],
-    );
+    let daemon = start_roomy(flash.path(), &["--demote-format", "none"]);
     let mut c = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "10", "--canary"]);
     let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
     assert_eq!(daemon.demote(session, Tier::Flash).demoted, 18);
@@ -293,21 +277,7 @@ fn a_canary_written_through_the_client_is_nowhere_in_the_flash_file() {
 #[test]
 fn injected_flash_errors_fail_only_their_pages_and_leak_nothing() {
     let flash = tempfile::tempdir().unwrap();
-    let daemon = start(
-        flash.path(),
-        &[
-            "--device-budget",
-            "64MiB",
-            "--dram-budget",
-            "16MiB",
-            "--flash-budget",
-            "16MiB",
-            "--demote-format",
-            "none",
-            "--debug-io-faults",
-            "write:EIO:1,read:EIO:1",
-        ],
-    );
+    let daemon = start_roomy(flash.path(), &["--demote-format", "none", "--debug-io-faults", "write:EIO:1,read:EIO:1"]);
     let mut a = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "11"]);
     let mut b = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "12"]);
     let sa: u64 = fields(&a.expect_line("appended"))["session"].parse().unwrap();

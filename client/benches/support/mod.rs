@@ -1,0 +1,45 @@
+//! What the benches that run a real kvmmd share: finding the binary, starting it in a private
+//! runtime directory, and stopping it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// kvmmd from `$KVMMD_BIN`, else from the target directory beside the running bench.
+pub fn kvmmd() -> PathBuf {
+    if let Some(p) = std::env::var_os("KVMMD_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("current exe");
+    let bin = exe.parent().and_then(|d| d.parent()).expect("target/<profile>").join("kvmmd");
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo build --release -p kvmm-daemon` first or set KVMMD_BIN",
+        bin.display()
+    );
+    bin
+}
+
+/// Starts kvmmd with `--runtime-dir dir` and `args`, and waits for its sockets.
+pub fn start(dir: &Path, args: &[&str]) -> Child {
+    let daemon = Command::new(kvmmd())
+        .arg("--runtime-dir")
+        .arg(dir)
+        .args(args)
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn kvmmd");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !dir.join("kvmm-admin.sock").exists() {
+        assert!(Instant::now() < deadline, "kvmmd did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    daemon
+}
+
+/// Stops kvmmd with SIGTERM and checks that it exited cleanly.
+pub fn stop(mut daemon: Child) {
+    let pid = rustix::process::Pid::from_raw(daemon.id() as i32).expect("a child's pid is positive");
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("signal kvmmd");
+    assert!(daemon.wait().expect("wait for kvmmd").success());
+}
