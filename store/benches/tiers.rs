@@ -8,7 +8,9 @@
 //!   buffer) vs reading the same bytes with `run_all`.
 //! - **get latency** of 1 page and of 32 adjacent pages (p50, p99 of single calls).
 //!
-//! Both arms alternate, `ROUNDS` times each; medians are reported. Run with
+//! Both arms alternate, `ROUNDS` times each; the GB/s columns are medians, and each ratio is the
+//! median of the rounds' own ratios (sealed vs plain within one round, so the machine's slow drifts
+//! cancel out). Run with
 //! `cargo bench -p kvmm-store --bench tiers`; `KVMM_BENCH_DIR` picks the directory of the file
 //! (default: the system temp dir, which must take O_DIRECT).
 
@@ -22,8 +24,16 @@ use kvmm_store::io::{AlignedBuf, EngineChoice, IoBuffers, IoRequest, probe, run_
 use kvmm_store::seal::SessionKey;
 use kvmm_store::tier::{PageId, PageRead, PageWrite, Tier};
 
-const ROUNDS: usize = 15;
+const ROUNDS: usize = 31;
 const BATCH_BYTES: usize = 16 << 20;
+
+/// The median over rounds of (sealed throughput / plain throughput) within each round.
+fn paired_ratio(sealed_bytes: usize, sealed: &[Duration], plain_bytes: usize, plain: &[Duration]) -> f64 {
+    let mut ratios: Vec<f64> =
+        sealed.iter().zip(plain).map(|(&s, &p)| gbps(sealed_bytes, s) / gbps(plain_bytes, p)).collect();
+    ratios.sort_by(f64::total_cmp);
+    ratios[ratios.len() / 2]
+}
 
 fn median(mut xs: Vec<Duration>) -> Duration {
     xs.sort();
@@ -109,14 +119,16 @@ fn main() {
                 plain_r.push(t.elapsed());
             }
             assert!(outs.iter().zip(&pages).all(|(a, b)| a == b));
-            let (sw, pw, sr, pr) = (median(sealed_w), median(plain_w), median(sealed_r), median(plain_r));
             let plain_bytes = plain.len() * RUN_BYTES;
+            let write_ratio = paired_ratio(total, &sealed_w, plain_bytes, &plain_w);
+            let read_ratio = paired_ratio(total, &sealed_r, plain_bytes, &plain_r);
+            let (sw, pw, sr, pr) = (median(sealed_w), median(plain_w), median(sealed_r), median(plain_r));
             let (swg, pwg, srg, prg) = (gbps(total, sw), gbps(plain_bytes, pw), gbps(total, sr), gbps(plain_bytes, pr));
             println!(
                 "| {} | {page_len} | {pages_n} | {swg:.2} | {pwg:.2} | {:.2} | {srg:.2} | {prg:.2} | {:.2} |",
                 engine.kind(),
-                swg / pwg,
-                srg / prg
+                write_ratio,
+                read_ratio
             );
             for n in [1usize, 32] {
                 let mut times = Vec::new();
