@@ -4,6 +4,9 @@
 //! - **write**: `FlashFile::put` of a batch of pages (seal with AES-256-GCM, frame records, coalesce
 //!   into 1 MiB requests, one submission) vs writing the same number of bytes to the same offsets in
 //!   1 MiB requests with `run_all`.
+//! - **demote**: what the daemon's default ladder does to a batch of f16 pages: quantize each to q8
+//!   (`kvmm_kernels::quantize`), then `FlashFile::put` the q8 pages; throughput counted in f16 bytes
+//!   and compared with the plain write of the f16 bytes (the pages as they are).
 //! - **read**: `FlashFile::get` of the batch (read, authenticate and decrypt, copy into each page's
 //!   buffer) vs reading the same bytes with `run_all`.
 //! - **get latency** of 1 page and of 32 adjacent pages (p50, p99 of single calls).
@@ -19,6 +22,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvmm_kernels::{Format, PageShape, init_page, quantize, write_rows};
 use kvmm_store::flash::{FlashFile, FlashSlot, RUN_BYTES};
 use kvmm_store::io::{AlignedBuf, EngineChoice, IoBuffers, IoRequest, probe, run_all};
 use kvmm_store::seal::SessionKey;
@@ -26,6 +30,28 @@ use kvmm_store::tier::{PageId, PageRead, PageWrite, Tier};
 
 const ROUNDS: usize = 31;
 const BATCH_BYTES: usize = 16 << 20;
+
+/// Page shapes measured: SmolLM2-135M (3 KV heads × 64) and Llama-3-8B (8 KV heads × 128), 32 tokens.
+const SHAPES: [PageShape; 2] = [
+    PageShape { kv_heads: 3, head_dim: 64, block_tokens: 32 },
+    PageShape { kv_heads: 8, head_dim: 128, block_tokens: 32 },
+];
+
+/// A full f16 page of smooth pseudo-random K/V (per-channel offsets and scales, as real keys have).
+fn f16_page(shape: PageShape, seed: usize) -> Vec<u8> {
+    let mut page = vec![0u8; shape.page_bytes(Format::F16)];
+    init_page(shape, Format::F16, &mut page).expect("f16 page");
+    let n = shape.block_tokens * shape.kv_heads * shape.head_dim;
+    let value = |i: usize, salt: usize| {
+        let channel = i % shape.head_dim;
+        let x = ((i * 7919 + seed * 104_729 + salt) % 10_007) as f32 / 10_007.0 - 0.5;
+        x * (1.0 + (channel % 7) as f32) + (channel % 5) as f32 * 0.3
+    };
+    let k: Vec<f32> = (0..n).map(|i| value(i, 1)).collect();
+    let v: Vec<f32> = (0..n).map(|i| value(i, 2)).collect();
+    write_rows(shape, Format::F16, &mut page, 0, &k, &v).expect("rows");
+    page
+}
 
 /// The median over rounds of (sealed throughput / plain throughput) within each round.
 fn paired_ratio(sealed_bytes: usize, sealed: &[Duration], plain_bytes: usize, plain: &[Duration]) -> f64 {
@@ -52,12 +78,13 @@ fn gbps(bytes: usize, t: Duration) -> f64 {
 fn main() {
     let dir = std::env::var_os("KVMM_BENCH_DIR").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
     println!(
-        "| engine | page bytes | pages | seal+write GB/s | plain write GB/s | ratio | read+open GB/s | plain read GB/s | ratio |"
+        "| engine | page bytes | pages | seal+write GB/s | plain write GB/s | ratio | q8 demote GB/s (f16 bytes) | ratio | read+open GB/s | plain read GB/s | ratio |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let mut latency_rows = Vec::new();
     for choice in [EngineChoice::Sync, EngineChoice::IoUring] {
-        for page_len in [25_408usize, 131_136] {
+        for shape in SHAPES {
+            let page_len = shape.page_bytes(Format::F16);
             let buffers = IoBuffers::new(RUN_BYTES, 32).expect("staging buffers");
             let engine = probe(choice, 128, Some(Arc::clone(&buffers))).expect("engine").engine;
             let path = dir.join(format!("kvmm-bench-{}.flash", std::process::id()));
@@ -71,7 +98,9 @@ fn main() {
                 .expect("the same file, O_DIRECT");
             let key = SessionKey::generate().expect("key");
             let pages_n = BATCH_BYTES / FlashFile::extent_for(page_len) as usize;
-            let pages: Vec<Vec<u8>> = (0..pages_n).map(|i| vec![(i % 251) as u8; page_len]).collect();
+            let pages: Vec<Vec<u8>> = (0..pages_n).map(|i| f16_page(shape, i)).collect();
+            let mut q8_pages: Vec<Vec<u8>> = vec![vec![0u8; shape.page_bytes(Format::Q8)]; pages_n];
+            let mut demote_w = Vec::new();
             let ids: Vec<PageId> =
                 (0..pages_n as u32).map(|b| PageId { session: 1, layer: b % 30, block: b }).collect();
             let total = pages_n * FlashFile::extent_for(page_len) as usize;
@@ -89,6 +118,18 @@ fn main() {
                 let t = Instant::now();
                 slots = file.put(&writes).into_iter().map(|r| r.expect("flash write")).collect();
                 sealed_w.push(t.elapsed());
+
+                let t = Instant::now();
+                for (q8, page) in q8_pages.iter_mut().zip(&pages) {
+                    quantize(shape, Format::F16, page, shape.block_tokens, Format::Q8, q8).expect("q8");
+                }
+                let writes: Vec<PageWrite<'_>> =
+                    q8_pages.iter().zip(&ids).map(|(b, &page)| PageWrite { key: Some(&key), page, bytes: b }).collect();
+                let demoted: Vec<FlashSlot> = file.put(&writes).into_iter().map(|r| r.expect("flash write")).collect();
+                demote_w.push(t.elapsed());
+                for slot in demoted {
+                    file.free(slot);
+                }
 
                 let t = Instant::now();
                 let mut requests: Vec<IoRequest<'_>> = plain
@@ -121,11 +162,13 @@ fn main() {
             assert!(outs.iter().zip(&pages).all(|(a, b)| a == b));
             let plain_bytes = plain.len() * RUN_BYTES;
             let write_ratio = paired_ratio(total, &sealed_w, plain_bytes, &plain_w);
+            let demote_ratio = paired_ratio(total, &demote_w, plain_bytes, &plain_w);
+            let demote_gbps = gbps(total, median(demote_w));
             let read_ratio = paired_ratio(total, &sealed_r, plain_bytes, &plain_r);
             let (sw, pw, sr, pr) = (median(sealed_w), median(plain_w), median(sealed_r), median(plain_r));
             let (swg, pwg, srg, prg) = (gbps(total, sw), gbps(plain_bytes, pw), gbps(total, sr), gbps(plain_bytes, pr));
             println!(
-                "| {} | {page_len} | {pages_n} | {swg:.2} | {pwg:.2} | {:.2} | {srg:.2} | {prg:.2} | {:.2} |",
+                "| {} | {page_len} | {pages_n} | {swg:.2} | {pwg:.2} | {:.2} | {demote_gbps:.2} | {demote_ratio:.2} | {srg:.2} | {prg:.2} | {:.2} |",
                 engine.kind(),
                 write_ratio,
                 read_ratio
