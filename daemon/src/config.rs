@@ -12,6 +12,7 @@ use kvmm_store::io::EngineChoice;
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
+use crate::policy::mode::{Mode, ModePolicy};
 
 /// Default share of `MemAvailable` given to the device tier when no budget is configured.
 pub const DEFAULT_DEVICE_BUDGET: &str = "25%";
@@ -43,6 +44,31 @@ pub struct FileConfig {
     pub compaction: Option<CompactionConfig>,
     /// The tiers below the device.
     pub tiers: Option<TiersConfig>,
+    /// Modes and the sensors that choose them.
+    pub policy: Option<PolicyConfig>,
+}
+
+/// The `[policy]` table.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// `auto` (chosen from the sensors) or a mode to pin: `performance`, `balanced`, `powersave`,
+    /// `thermal`.
+    pub mode: Option<String>,
+    /// Root of the sysfs/procfs tree the sensors read (`/`; tests point it at a fake tree).
+    pub host_root: Option<PathBuf>,
+    /// Milliseconds between sensor readings (a PSI trigger wakes the loop sooner).
+    pub interval_ms: Option<u64>,
+    /// Powersave when a battery discharges at or below this percentage.
+    pub powersave_below: Option<u8>,
+    /// Powersave ends above `powersave_below` plus this many points.
+    pub battery_hysteresis: Option<u8>,
+    /// Thermal mode ends when every zone is this many degrees Celsius below its passive trip point.
+    pub thermal_hysteresis_c: Option<u8>,
+    /// Memory pressure (budgets halved) from this PSI `some avg10` percentage...
+    pub pressure_enter: Option<u8>,
+    /// ...until it falls below this one.
+    pub pressure_leave: Option<u8>,
 }
 
 /// The `[tiers]` table.
@@ -173,6 +199,12 @@ pub struct Overrides {
     pub demote_format: Option<String>,
     /// `--debug-io-faults`: faults armed in the flash tier's I/O engine at start (tests only).
     pub debug_io_faults: Option<String>,
+    /// `--mode`.
+    pub mode: Option<String>,
+    /// `--host-root`.
+    pub host_root: Option<PathBuf>,
+    /// `--policy-interval-ms`.
+    pub policy_interval_ms: Option<u64>,
 }
 
 /// The merged configuration with every value decided.
@@ -199,7 +231,23 @@ pub struct Resolved {
     pub debug_io_faults: Vec<kvmm_store::io::Fault>,
     /// The tiers below the device.
     pub tiers: Tiers,
+    /// Modes and sensors.
+    pub policy: Policy,
 }
+
+/// The resolved `[policy]` table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Policy {
+    /// The planner's thresholds (and the pinned mode, if any).
+    pub modes: ModePolicy,
+    /// Where the sensors read.
+    pub host_root: PathBuf,
+    /// Time between readings.
+    pub interval: std::time::Duration,
+}
+
+/// Default time between sensor readings.
+pub const DEFAULT_POLICY_INTERVAL_MS: u64 = 1000;
 
 /// The resolved `[tiers]` table.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -248,6 +296,7 @@ impl FileConfig {
     /// Merges the file with command-line overrides and decides every value.
     pub fn resolve(self, cli: Overrides, env: &Environment) -> Result<Resolved> {
         let tiers = resolve_tiers(self.tiers.clone().unwrap_or_default(), &cli, env)?;
+        let policy = resolve_policy(self.policy.clone().unwrap_or_default(), &cli)?;
         let runtime_dir = cli.runtime_dir.or(self.runtime_dir).map(Ok).unwrap_or_else(|| env.default_runtime_dir())?;
         let budget = cli
             .device_budget
@@ -273,6 +322,7 @@ impl FileConfig {
             .unwrap_or(DEFAULT_COMPACTION_INTERVAL_MS);
         Ok(Resolved {
             tiers,
+            policy,
             runtime_dir,
             device_budget: budget,
             admin_gid,
@@ -361,6 +411,53 @@ fn resolve_tiers(file: TiersConfig, cli: &Overrides, env: &Environment) -> Resul
         demote_format,
         high_watermark: high,
         low_watermark: low,
+    })
+}
+
+/// Decides the `[policy]` values: flags over the file over defaults.
+fn resolve_policy(file: PolicyConfig, cli: &Overrides) -> Result<Policy> {
+    let defaults = ModePolicy::default();
+    let pinned = match cli.mode.clone().or(file.mode).as_deref() {
+        None | Some("auto") => None,
+        Some(name) => Some(Mode::parse(name).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "mode \"{name}\" is not a mode; use \"auto\", \"performance\", \"balanced\", \"powersave\" or \"thermal\""
+            ))
+        })?),
+    };
+    let percent = |key: &str, value: Option<u8>, default: u8| -> Result<u8> {
+        let v = value.unwrap_or(default);
+        if v > 100 {
+            return Err(Error::InvalidArgument(format!("policy.{key} is {v}; it is a percentage (0 to 100)")));
+        }
+        Ok(v)
+    };
+    let modes = ModePolicy {
+        pinned,
+        powersave_below: percent("powersave_below", file.powersave_below, defaults.powersave_below)?,
+        battery_hysteresis: percent("battery_hysteresis", file.battery_hysteresis, defaults.battery_hysteresis)?,
+        thermal_hysteresis_mc: file
+            .thermal_hysteresis_c
+            .map_or(defaults.thermal_hysteresis_mc, |c| i64::from(c) * 1000),
+        pressure_enter: percent("pressure_enter", file.pressure_enter, defaults.pressure_enter)?,
+        pressure_leave: percent("pressure_leave", file.pressure_leave, defaults.pressure_leave)?,
+    };
+    if modes.pressure_leave >= modes.pressure_enter {
+        return Err(Error::InvalidArgument(format!(
+            "policy.pressure_leave ({}%) must be below policy.pressure_enter ({}%)",
+            modes.pressure_leave, modes.pressure_enter
+        )));
+    }
+    let interval_ms = cli.policy_interval_ms.or(file.interval_ms).unwrap_or(DEFAULT_POLICY_INTERVAL_MS);
+    if !(50..=60_000).contains(&interval_ms) {
+        return Err(Error::InvalidArgument(format!(
+            "policy interval_ms is {interval_ms}; it must be between 50 and 60000 milliseconds"
+        )));
+    }
+    Ok(Policy {
+        modes,
+        host_root: cli.host_root.clone().or(file.host_root).unwrap_or_else(|| PathBuf::from("/")),
+        interval: std::time::Duration::from_millis(interval_ms),
     })
 }
 
@@ -562,6 +659,48 @@ mod tests {
         assert_eq!(tiers.demote_format.as_deref(), Some("q8"));
         let tiers = resolve_tiers(tiers, &Overrides::default(), &env(0)).unwrap();
         assert_eq!(tiers.flash_path, PathBuf::from("/var/lib/kvmm/kvmm.flash"));
+        let policy = resolve_policy(file.policy.clone().unwrap(), &Overrides::default()).unwrap();
+        assert_eq!(policy, FileConfig::default().resolve(Overrides::default(), &env(0)).unwrap().policy);
+    }
+
+    #[test]
+    fn policy_defaults_to_auto_on_the_real_root_and_flags_win() {
+        let r = FileConfig::default().resolve(Overrides::default(), &env(0)).unwrap();
+        assert_eq!(r.policy.modes, ModePolicy::default());
+        assert_eq!(r.policy.host_root, PathBuf::from("/"));
+        assert_eq!(r.policy.interval, std::time::Duration::from_millis(DEFAULT_POLICY_INTERVAL_MS));
+        let file = FileConfig::parse(
+            "[policy]\nmode = \"balanced\"\nhost_root = \"/srv/fake\"\nthermal_hysteresis_c = 3\npowersave_below = 30\n",
+        )
+        .unwrap();
+        let r = file.clone().resolve(Overrides::default(), &env(0)).unwrap();
+        assert_eq!(r.policy.modes.pinned, Some(Mode::Balanced));
+        assert_eq!(r.policy.modes.thermal_hysteresis_mc, 3000);
+        assert_eq!(r.policy.modes.powersave_below, 30);
+        assert_eq!(r.policy.host_root, PathBuf::from("/srv/fake"));
+        let cli = Overrides {
+            mode: Some("auto".to_owned()),
+            host_root: Some(PathBuf::from("/tmp/root")),
+            policy_interval_ms: Some(200),
+            ..Overrides::default()
+        };
+        let r = file.resolve(cli, &env(0)).unwrap();
+        assert_eq!(r.policy.modes.pinned, None);
+        assert_eq!(r.policy.host_root, PathBuf::from("/tmp/root"));
+        assert_eq!(r.policy.interval, std::time::Duration::from_millis(200));
+    }
+
+    #[test]
+    fn bad_policy_values_are_refused_with_the_fix() {
+        for (text, needle) in [
+            ("[policy]\nmode = \"turbo\"\n", "\"turbo\" is not a mode"),
+            ("[policy]\npowersave_below = 120\n", "policy.powersave_below is 120"),
+            ("[policy]\npressure_enter = 5\npressure_leave = 5\n", "must be below policy.pressure_enter"),
+            ("[policy]\ninterval_ms = 10\n", "between 50 and 60000"),
+        ] {
+            let err = FileConfig::parse(text).unwrap().resolve(Overrides::default(), &env(0)).unwrap_err().to_string();
+            assert!(err.contains(needle), "{text}: {err}");
+        }
     }
 
     #[test]

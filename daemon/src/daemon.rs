@@ -24,6 +24,8 @@ use crate::config::Resolved;
 use crate::error::{Error, Result};
 use crate::fdpass::{TOKEN_BYTES, TokenStore};
 use crate::migrate::tiering::{self, PageRef, Scratch, TierCounters};
+use crate::policy::live::LivePolicy;
+use crate::policy::mode::Tuning;
 use crate::pool::Pool;
 use crate::server::conn::{ConnId, ConnInfo};
 use crate::session::page_table::Place;
@@ -79,6 +81,8 @@ pub struct Daemon {
     pub io_engine: Option<(EngineKind, Option<String>)>,
     /// Wakes the tier task (a prefetch hint arrived, or memory is short).
     pub tier_wanted: (std::sync::Mutex<bool>, std::sync::Condvar),
+    /// The mode in force and what it sets. Taken after the core lock, never before it.
+    pub policy: Mutex<LivePolicy>,
 }
 
 /// What `Attach` returns.
@@ -210,7 +214,9 @@ impl Daemon {
         } else {
             (None, None)
         };
+        let policy = Mutex::new(LivePolicy::new(&config));
         Ok(Arc::new(Daemon {
+            policy,
             config,
             core: Mutex::new(Core {
                 pool,
@@ -229,6 +235,11 @@ impl Daemon {
             io_engine,
             tier_wanted: (std::sync::Mutex::new(false), std::sync::Condvar::new()),
         }))
+    }
+
+    /// What the mode in force sets.
+    pub fn tuning(&self) -> Tuning {
+        self.policy.lock().tuning()
     }
 
     /// Wakes the tier task.
@@ -350,15 +361,8 @@ impl Daemon {
         };
         if self.config.tiers.any() && !core.pool.fits(caller.uid, room.frame_len, room.count) {
             // Make room below rather than refuse: demote the coldest pages of any session.
-            let t = &self.config.tiers;
-            tiering::make_room(
-                &mut core,
-                self.flash.as_ref(),
-                t.demote_format,
-                room,
-                &HashSet::new(),
-                &mut Scratch::default(),
-            )?;
+            let format = self.tuning().demote_format;
+            tiering::make_room(&mut core, self.flash.as_ref(), format, room, &HashSet::new(), &mut Scratch::default())?;
             self.wake_tiers();
         }
         let Core { pool, sessions, .. } = &mut *core;
@@ -524,7 +528,6 @@ impl Daemon {
     /// Promotes `refs` (pages of one session) to the device; returns the pages that failed
     /// authentication. Pages already resident, and pages no room could be made for, are left alone.
     pub fn promote(&self, session_id: u64, refs: &[PageRef]) -> Result<Vec<(PageRef, kvmm_store::tier::TierError)>> {
-        let t = &self.config.tiers;
         let mut scratch = Scratch::default();
         let mut core = self.core.lock();
         let Some(s) = core.sessions.get_unchecked(session_id) else { return Ok(Vec::new()) };
@@ -550,7 +553,8 @@ impl Daemon {
             frame_len: missing.iter().map(|(_, p)| p.footprint()).max().unwrap_or(0),
             count: missing.len() as u64,
         };
-        tiering::make_room(&mut core, self.flash.as_ref(), t.demote_format, room, &protect, &mut scratch)?;
+        let format = self.tuning().demote_format;
+        tiering::make_room(&mut core, self.flash.as_ref(), format, room, &protect, &mut scratch)?;
         for &(r, place) in &missing {
             if matches!(place, Place::Dram(_)) {
                 tiering::promote_from_dram(&mut core, r, &mut scratch)?;
@@ -679,7 +683,8 @@ impl Daemon {
             })
             .copied()
             .collect();
-        tiering::demote_to_dram(&mut core, self.config.tiers.demote_format, &on_device, &mut Scratch::default())?;
+        let format = self.tuning().demote_format;
+        tiering::demote_to_dram(&mut core, format, &on_device, &mut Scratch::default())?;
         if let (TierKind::Flash, Some(flash)) = (to, self.flash.as_ref()) {
             let s = core.sessions.get_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
             let in_dram: Vec<PageRef> = refs

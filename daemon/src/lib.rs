@@ -3,14 +3,15 @@
 //! Layout: [`config`] (file, flags, defaults), [`runtime_dir`] (socket directory and its lock),
 //! [`server`] (gRPC services, peer identity, error-to-code mapping, shutdown), [`fdpass`] (memfds
 //! over SCM_RIGHTS), [`pool`] (arenas, frames, accounting), [`session`] (registry, page tables),
-//! [`migrate`] (the page-move primitive, compaction), and [`daemon`] (the shared state and the
-//! operations the servers call). See ARCHITECTURE.md.
+//! [`migrate`] (the page-move primitive, compaction, tiering), [`policy`] (sensors and modes), and
+//! [`daemon`] (the shared state and the operations the servers call). See ARCHITECTURE.md.
 
 pub mod config;
 pub mod daemon;
 pub mod error;
 pub mod fdpass;
 pub mod migrate;
+pub mod policy;
 pub mod pool;
 pub mod prefault;
 pub mod runtime_dir;

@@ -55,6 +55,16 @@ struct Cli {
     /// Test mode: faults armed in the flash I/O engine, e.g. write:EIO:1,read:EIO:1.
     #[arg(long, hide = true, value_name = "SPEC")]
     debug_io_faults: Option<String>,
+    /// Operating mode: auto (from battery, temperature and memory pressure), performance, balanced,
+    /// powersave or thermal [default: auto].
+    #[arg(long, value_name = "MODE")]
+    mode: Option<String>,
+    /// Root of the sysfs/procfs tree the sensors read [default: /].
+    #[arg(long, value_name = "DIR")]
+    host_root: Option<PathBuf>,
+    /// Milliseconds between sensor readings [default: 1000].
+    #[arg(long, value_name = "MS")]
+    policy_interval_ms: Option<u64>,
 }
 
 fn main() -> ExitCode {
@@ -87,6 +97,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         io_engine: cli.io_engine,
         demote_format: cli.demote_format,
         debug_io_faults: cli.debug_io_faults,
+        mode: cli.mode,
+        host_root: cli.host_root,
+        policy_interval_ms: cli.policy_interval_ms,
     };
     let config = file.resolve(overrides, &Environment::from_process()?)?;
     tracing_subscriber::fmt()

@@ -9,9 +9,10 @@ pub mod recompress;
 pub mod tiering;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::daemon::Daemon;
+use crate::policy::rate::RateLimit;
 
 /// Moves per arena in one compaction pass; bounds how long one pass holds the core lock.
 const COMPACTION_MOVES_PER_PASS: usize = 256;
@@ -48,11 +49,17 @@ const TIER_TICK: Duration = Duration::from_millis(20);
 
 /// The tier task, on a thread of its own (flash I/O blocks): carries out prefetch hints, and keeps
 /// the device and the DRAM pool under their high watermarks by demoting their coldest pages down to
-/// the low watermarks. Runs until the daemon shuts down.
+/// the low watermarks. The mode in force ([`crate::policy::mode::Tuning`], read on every pass) sets
+/// the watermarks, the demotion format and the byte rates of background migration and of flash
+/// writes. Runs until the daemon shuts down.
 pub fn tier_task(daemon: Arc<Daemon>) {
-    let t = daemon.config.tiers.clone();
     let mut scratch = tiering::Scratch::default();
     let none = std::collections::HashSet::new();
+    let start = daemon.tuning();
+    let mut background = RateLimit::new(start.background_bytes_per_s, Instant::now());
+    let mut flash_writes = RateLimit::new(start.flash_write_bytes_per_s, Instant::now());
+    // Whether a watermark drain of the device is under way.
+    let mut draining = false;
     while !daemon.is_shutting_down() {
         {
             let (flag, cv) = &daemon.tier_wanted;
@@ -62,6 +69,10 @@ pub fn tier_task(daemon: Arc<Daemon>) {
             }
             *wanted = false;
         }
+        let tuning = daemon.tuning();
+        let now = Instant::now();
+        background.set_rate(tuning.background_bytes_per_s, now);
+        flash_writes.set_rate(tuning.flash_write_bytes_per_s, now);
         let queued: Vec<tiering::PageRef> = daemon.core.lock().prefetch_queue.drain(..).collect();
         let mut sessions: Vec<u64> = queued.iter().map(|r| r.session).collect();
         sessions.dedup();
@@ -74,12 +85,25 @@ pub fn tier_task(daemon: Arc<Daemon>) {
         let device = {
             let mut core = daemon.core.lock();
             let budget = core.pool.budget();
-            if core.pool.used() > budget / 100 * u64::from(t.high_watermark) {
-                let need = budget - budget / 100 * u64::from(t.low_watermark);
-                let room = tiering::Room { uid: None, frame_len: need, count: 1 };
-                tiering::make_room(&mut core, daemon.flash.as_ref(), t.demote_format, room, &none, &mut scratch)
+            let used = core.pool.used();
+            let low = budget / 100 * u64::from(tuning.device_low_watermark);
+            // A drain starts above the high watermark and goes on, in rate-limited steps, down to
+            // the low one.
+            draining = used > low && (draining || used > budget / 100 * u64::from(tuning.device_high_watermark));
+            let allowed = background.available(now);
+            if draining && allowed > 0 {
+                let bytes = (used - low).min(allowed);
+                let flash = daemon.flash.as_ref();
+                let moved = tiering::demote_coldest(&mut core, flash, tuning.demote_format, bytes, &mut scratch);
+                if let Ok(moved) = moved {
+                    background.spend(moved);
+                    core.tier_counters.background_bytes += moved;
+                    // Nothing left that may move (pinned, or no room below): wait for the next crossing.
+                    draining &= moved > 0;
+                }
+                moved.map(|_| ())
             } else {
-                Ok(true)
+                Ok(())
             }
         };
         if let Err(e) = device {
@@ -88,14 +112,21 @@ pub fn tier_task(daemon: Arc<Daemon>) {
         if let Some(flash) = daemon.flash.as_ref() {
             let mut core = daemon.core.lock();
             let over = core.dram.as_ref().map(kvmm_store::tier::Tier::stats).and_then(|d| {
-                (d.used > d.budget / 100 * u64::from(t.high_watermark))
-                    .then(|| d.used - d.budget / 100 * u64::from(t.low_watermark))
+                (d.used > d.budget / 100 * u64::from(tuning.dram_high_watermark))
+                    .then(|| d.used - d.budget / 100 * u64::from(tuning.dram_low_watermark))
             });
-            if let Some(bytes) = over {
-                let victims = tiering::pick_victims(&core, tiering::VictimTier::Dram, bytes, &none);
+            let allowed = background.available(now).min(flash_writes.available(now));
+            if let Some(bytes) = over.filter(|_| allowed > 0) {
+                let victims = tiering::pick_victims(&core, tiering::VictimTier::Dram, bytes.min(allowed), &none);
+                let before = core.dram.as_ref().map_or(0, |d| kvmm_store::tier::Tier::stats(d).used);
                 if let Err(e) = tiering::move_to_flash(&mut core, flash, &victims) {
                     tracing::warn!(error = %e, "background demotion to flash failed");
                 }
+                let moved =
+                    before.saturating_sub(core.dram.as_ref().map_or(0, |d| kvmm_store::tier::Tier::stats(d).used));
+                background.spend(moved);
+                flash_writes.spend(moved);
+                core.tier_counters.background_bytes += moved;
             }
         }
     }

@@ -75,6 +75,9 @@ pub struct TierCounters {
     pub skipped_pinned: u64,
     /// Pages that failed authentication.
     pub data_loss: u64,
+    /// Bytes the tier thread moved down in the background (device frames freed, DRAM bytes sent
+    /// to flash), as opposed to moves a client's request made.
+    pub background_bytes: u64,
 }
 
 /// Reused buffers of demotion and DRAM promotion.
@@ -493,6 +496,32 @@ pub fn make_room(
         }
     }
     Ok(room.fits(core))
+}
+
+/// Demotes about `bytes` of the coldest device pages (the tier thread's watermark drain, in
+/// rate-limited steps): to DRAM, and when DRAM is full its coldest pages to flash first. Returns
+/// the device bytes freed.
+pub fn demote_coldest(
+    core: &mut Core,
+    flash: Option<&Mutex<FlashFile>>,
+    format: Option<Format>,
+    bytes: u64,
+    scratch: &mut Scratch,
+) -> Result<u64> {
+    let before = core.pool.used();
+    let victims = pick_victims(core, VictimTier::Device, bytes, &HashSet::new());
+    if victims.is_empty() {
+        return Ok(0);
+    }
+    if demote_to_dram(core, format, &victims, scratch)? == 0
+        && let Some(flash) = flash
+    {
+        let spill = victims.iter().filter_map(|r| footprint(core, *r)).sum::<u64>();
+        if spill_dram(core, flash, spill, &HashSet::new())? > 0 {
+            demote_to_dram(core, format, &victims, scratch)?;
+        }
+    }
+    Ok(before.saturating_sub(core.pool.used()))
 }
 
 /// Moves `pages` from DRAM to flash with the flash I/O outside the core lock: the guard is

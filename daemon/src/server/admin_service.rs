@@ -10,6 +10,9 @@ use super::conn::ConnInfo;
 use super::session_service::caller;
 use crate::daemon::Daemon;
 use crate::error::Error;
+use crate::policy::live::PolicyView;
+use crate::policy::mode::Pressure;
+use crate::policy::sensors::{BatteryStatus, TripKind};
 use crate::pool::DEVICE_TIER;
 
 /// The admin service.
@@ -158,6 +161,58 @@ impl pb::admin_server::Admin for AdminService {
             pid: std::process::id(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
             session_bytes: s.session_bytes,
+            background_bytes: s.tier_counters.background_bytes,
+            policy: Some(policy_status(&self.daemon.policy.lock().view())),
         }))
+    }
+}
+
+/// The status RPC's view of the policy.
+fn policy_status(v: &PolicyView) -> pb::PolicyStatus {
+    let t = &v.tuning;
+    let s = &v.signals;
+    let power = match (s.power.on_ac, &s.power.battery) {
+        (Some(true), _) => "mains",
+        (_, Some(b)) if b.status == BatteryStatus::Discharging => "battery",
+        (Some(false), _) => "battery",
+        _ => "unknown",
+    };
+    let battery = s.power.battery.as_ref().map_or(String::new(), |b| match b.capacity {
+        Some(c) => format!("{} {} {c}%", b.name, b.status.name()),
+        None => format!("{} {}", b.name, b.status.name()),
+    });
+    pb::PolicyStatus {
+        mode: v.mode.name().to_owned(),
+        cause: v.cause.clone(),
+        memory_pressure: v.pressure == Pressure::High,
+        mode_changes: v.changes,
+        held_ms: v.held_for.as_millis() as u64,
+        demote_format: t.demote_format.map_or("none", |f| f.name()).to_owned(),
+        prefetch_depth: t.prefetch_depth,
+        flash_write_limit_bytes_per_s: t.flash_write_bytes_per_s.unwrap_or(0),
+        background_limit_bytes_per_s: t.background_bytes_per_s.unwrap_or(0),
+        device_budget_percent: u32::from(t.device_budget_pct),
+        dram_budget_percent: u32::from(t.dram_budget_pct),
+        thermal: s
+            .thermal
+            .iter()
+            .map(|z| {
+                let passive = z.trips.iter().filter(|t| t.kind == TripKind::Passive).map(|t| t.temp_mc).min();
+                pb::ThermalReading {
+                    zone: z.name.clone(),
+                    kind: z.kind.clone(),
+                    celsius: z.temp_mc as f64 / 1000.0,
+                    has_passive_trip: passive.is_some(),
+                    passive_trip_celsius: passive.map_or(0.0, |p| p as f64 / 1000.0),
+                }
+            })
+            .collect(),
+        power: power.to_owned(),
+        battery,
+        psi_known: s.memory.some_avg10.is_some(),
+        psi_some_avg10: s.memory.some_avg10.unwrap_or(0.0),
+        mem_available_bytes: s.memory.mem_available.unwrap_or(0),
+        pressure_watch: v.pressure_watch.clone(),
+        sensor_problems: s.problems.clone(),
     }
 }

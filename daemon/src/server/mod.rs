@@ -87,6 +87,13 @@ pub async fn run(daemon: Arc<Daemon>, dir: RuntimeDir) -> Result<()> {
             .spawn(move || crate::migrate::tier_task(daemon))
             .map_err(|e| Error::io("cannot start the tier thread", e))?;
     }
+    {
+        let daemon = daemon.clone();
+        std::thread::Builder::new()
+            .name("kvmm-policy".into())
+            .spawn(move || crate::policy::live::policy_task(daemon))
+            .map_err(|e| Error::io("cannot start the policy thread", e))?;
+    }
     if daemon.config.debug_move_churn {
         tracing::warn!("debug move churn is on: pages are moved continuously (a test mode)");
         background.push(tokio::spawn(crate::migrate::churn_task(daemon.clone())));

@@ -1,0 +1,10 @@
+//! The policy engine: what the host looks like ([`sensors`]), which mode the daemon runs in and
+//! what each mode sets ([`mode`]).
+//!
+//! Everything here is pure or reads through one injectable host root, so tests drive it with fake
+//! sysfs/procfs trees.
+
+pub mod live;
+pub mod mode;
+pub mod rate;
+pub mod sensors;

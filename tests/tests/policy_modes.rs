@@ -1,0 +1,221 @@
+//! The policy engine in a real kvmmd that reads a fake host tree (`--host-root`): a battery that
+//! starts discharging at 15% puts the daemon in powersave within 2 s and the next demotions use the
+//! powersave ladder (q4); a thermal zone past its passive trip point puts it in thermal mode, which
+//! cuts the bytes the tier thread migrates per second at least 4×.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use kvmm_proto::v1::{StatusResponse, Tier};
+use kvmm_tests::{Daemon, fields, spawn_client};
+
+/// A laptop's sysfs/procfs, as files below a temp dir: mains online, BAT0 charging at 80%, one
+/// thermal zone at 50 °C with a passive trip at 95 °C, no memory pressure.
+struct FakeHost {
+    dir: tempfile::TempDir,
+}
+
+impl FakeHost {
+    fn laptop() -> FakeHost {
+        let host = FakeHost { dir: tempfile::tempdir().unwrap() };
+        host.write("sys/class/power_supply/AC/type", "Mains");
+        host.write("sys/class/power_supply/AC/online", "1");
+        host.write("sys/class/power_supply/BAT0/type", "Battery");
+        host.write("sys/class/power_supply/BAT0/present", "1");
+        host.write("sys/class/power_supply/BAT0/status", "Charging");
+        host.write("sys/class/power_supply/BAT0/capacity", "80");
+        host.write("sys/class/thermal/thermal_zone0/type", "x86_pkg_temp");
+        host.write("sys/class/thermal/thermal_zone0/temp", "50000");
+        host.write("sys/class/thermal/thermal_zone0/trip_point_0_temp", "95000");
+        host.write("sys/class/thermal/thermal_zone0/trip_point_0_type", "passive");
+        host.write("sys/class/thermal/thermal_zone0/trip_point_1_temp", "105000");
+        host.write("sys/class/thermal/thermal_zone0/trip_point_1_type", "critical");
+        host.write(
+            "proc/pressure/memory",
+            "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
+        );
+        host.write("proc/meminfo", "MemTotal:       24684096 kB\nMemAvailable:   20000000 kB\n");
+        host
+    }
+
+    fn root(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Replaces a file the way sysfs changes: the new contents appear at once.
+    fn write(&self, rel: &str, text: &str) {
+        let path = self.dir.path().join(rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        let tmp = path.with_extension("new");
+        std::fs::write(&tmp, format!("{text}\n")).unwrap();
+        std::fs::rename(tmp, path).unwrap();
+    }
+}
+
+fn mode(s: &StatusResponse) -> &str {
+    s.policy.as_ref().map_or("", |p| p.mode.as_str())
+}
+
+/// Waits for `want` chosen from a reading (before the first one the daemon reports its initial
+/// mode with the cause "no reading yet"); returns the status and how long it took.
+fn wait_mode(daemon: &Daemon, want: &str) -> (StatusResponse, Duration) {
+    let read = |s: &StatusResponse| s.policy.as_ref().is_some_and(|p| p.mode_changes > 0);
+    let (s, took) = daemon.wait_status(Duration::from_secs(10), |s| mode(s) == want && read(s));
+    assert_eq!(mode(&s), want, "{:?}\nlog:\n{}", s.policy, daemon.log());
+    (s, took)
+}
+
+#[test]
+fn a_battery_discharging_at_15_percent_enters_powersave_within_2_s_and_demotes_as_q4() {
+    let host = FakeHost::laptop();
+    let root = host.root().to_str().unwrap();
+    let daemon = Daemon::start(&[
+        "--host-root",
+        root,
+        "--policy-interval-ms",
+        "200",
+        "--device-budget",
+        "64MiB",
+        "--dram-budget",
+        "16MiB",
+    ]);
+    let (s, _) = wait_mode(&daemon, "performance");
+    let p = s.policy.unwrap();
+    assert!(p.cause.contains("mains"), "{p:?}");
+    assert_eq!((p.demote_format.as_str(), p.power.as_str()), ("q8", "mains"), "{p:?}");
+    assert_eq!(p.battery, "BAT0 charging 80%");
+    assert_eq!(p.thermal.len(), 1);
+    assert_eq!((p.thermal[0].celsius, p.thermal[0].passive_trip_celsius), (50.0, 95.0));
+    assert!(p.pressure_watch.contains("not procfs"), "a fake tree is polled: {}", p.pressure_watch);
+
+    // On mains: pages leave the device as the configured q8.
+    let mut before = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "3"]);
+    let first: u64 = fields(&before.expect_line("appended"))["session"].parse().unwrap();
+    assert_eq!(daemon.demote(first, Tier::Dram).demoted, 18);
+    before.send("check 1");
+    let f = fields(&before.expect_line("checked"));
+    assert!(f["formats_seen"].contains("q8:") && !f["formats_seen"].contains("q4:"), "{f:?}");
+
+    // Unplugged, discharging at 15%.
+    host.write("sys/class/power_supply/AC/online", "0");
+    host.write("sys/class/power_supply/BAT0/capacity", "15");
+    host.write("sys/class/power_supply/BAT0/status", "Discharging");
+    let (s, took) = wait_mode(&daemon, "powersave");
+    assert!(took < Duration::from_secs(2), "powersave after {took:?}");
+    let p = s.policy.unwrap();
+    assert!(p.cause.contains("BAT0 discharging at 15%"), "{p:?}");
+    assert_eq!((p.demote_format.as_str(), p.prefetch_depth, p.power.as_str()), ("q4", 2, "battery"), "{p:?}");
+    assert!(daemon.log().contains("powersave"), "the change is logged with its cause");
+
+    // The next demotion uses the powersave ladder: q4, and the client's checks (against its own
+    // K/V through the same quantizer) still hold.
+    let mut after = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "4"]);
+    let second: u64 = fields(&after.expect_line("appended"))["session"].parse().unwrap();
+    assert_eq!(daemon.demote(second, Tier::Dram).demoted, 18);
+    after.send("check 1");
+    let f = fields(&after.expect_line("checked"));
+    assert!(f["formats_seen"].contains("q4:") && !f["formats_seen"].contains("q8:"), "{f:?}");
+
+    // Plugged in again: back to performance.
+    host.write("sys/class/power_supply/AC/online", "1");
+    host.write("sys/class/power_supply/BAT0/status", "Charging");
+    let (s, took) = wait_mode(&daemon, "performance");
+    assert!(took < Duration::from_secs(2), "performance after {took:?}");
+    assert_eq!(s.policy.unwrap().mode_changes, 3, "start, powersave, performance");
+    for mut c in [before, after] {
+        c.send("exit");
+        c.expect_line("detached");
+    }
+    assert!(daemon.stop().success());
+}
+
+/// Fills the device past its high watermark with a fresh client and measures the tier thread's
+/// background migration: bytes moved over the time from the last status before the first move to
+/// the first status after the last one (an overestimate of the time, so an underestimate of the
+/// rate). Returns (bytes, seconds).
+fn measure_background_drain(daemon: &Daemon, seed: &str) -> (u64, f64) {
+    let start = daemon.status().background_bytes;
+    // 6 layers × 6,700 tokens of SmolLM2-shaped pages (25,408 bytes per 32 tokens): about 95% of
+    // the 32 MiB device.
+    let mut c = spawn_client(
+        "run",
+        daemon,
+        &["--layers", "6", "--tokens", "6700", "--max-tokens", "8192", "--no-attend", "--seed", seed],
+    );
+    let mut samples: Vec<(Instant, u64)> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut settled_since: Option<Instant> = None;
+    loop {
+        let now = Instant::now();
+        let moved = daemon.status().background_bytes - start;
+        if samples.last().is_some_and(|&(_, m)| m == moved) && moved > 0 {
+            let since = *settled_since.get_or_insert(now);
+            if now - since > Duration::from_millis(500) {
+                break;
+            }
+        } else {
+            settled_since = None;
+        }
+        samples.push((now, moved));
+        assert!(now < deadline, "background migration did not settle in 60 s: {:?}", samples.last());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    c.expect_line("appended");
+    c.send("exit");
+    c.expect_line("detached");
+    let total = samples.last().unwrap().1;
+    let began = samples.iter().rev().find(|&&(_, m)| m == 0).unwrap().0;
+    let ended = samples.iter().find(|&&(_, m)| m == total).unwrap().0;
+    (total, (ended - began).as_secs_f64())
+}
+
+#[test]
+fn a_zone_past_its_passive_trip_enters_thermal_mode_and_cuts_background_migration_4x() {
+    let host = FakeHost::laptop();
+    let config = tempfile::NamedTempFile::new().unwrap();
+    // Demotion starts at 90% of the device and goes down to 10%: one long drain per fill. Lossless
+    // demotion (a copy into DRAM) so the unthrottled drain is fast.
+    std::fs::write(config.path(), "[tiers]\nhigh_watermark = 90\nlow_watermark = 10\ndemote_format = \"none\"\n")
+        .unwrap();
+    let daemon = Daemon::start(&[
+        "--config",
+        config.path().to_str().unwrap(),
+        "--host-root",
+        host.root().to_str().unwrap(),
+        "--policy-interval-ms",
+        "200",
+        "--device-budget",
+        "32MiB",
+        "--dram-budget",
+        "64MiB",
+        "--compaction-interval-ms",
+        "0",
+    ]);
+    let (s, _) = wait_mode(&daemon, "performance");
+    assert_eq!(s.policy.unwrap().background_limit_bytes_per_s, 0, "unlimited on mains");
+    let (cool_bytes, cool_secs) = measure_background_drain(&daemon, "21");
+
+    host.write("sys/class/thermal/thermal_zone0/temp", "97000");
+    let (s, took) = wait_mode(&daemon, "thermal");
+    assert!(took < Duration::from_secs(2), "thermal after {took:?}");
+    let p = s.policy.unwrap();
+    assert!(p.cause.contains("thermal_zone0 (x86_pkg_temp) at 97.0 °C"), "{p:?}");
+    assert_eq!(p.prefetch_depth, 1);
+    assert!(p.background_limit_bytes_per_s > 0, "{p:?}");
+    let (hot_bytes, hot_secs) = measure_background_drain(&daemon, "22");
+
+    let cool_rate = cool_bytes as f64 / cool_secs;
+    let hot_rate = hot_bytes as f64 / hot_secs;
+    eprintln!(
+        "background migration: performance {:.1} MiB/s ({cool_bytes} B in {cool_secs:.3} s), thermal {:.1} MiB/s \
+         ({hot_bytes} B in {hot_secs:.3} s), cut {:.1}×",
+        cool_rate / 1048576.0,
+        hot_rate / 1048576.0,
+        cool_rate / hot_rate
+    );
+    assert!(cool_bytes > 16 << 20 && hot_bytes > 16 << 20, "both fills drained most of the device");
+    assert!(cool_rate >= 4.0 * hot_rate, "thermal mode must cut background migration at least 4×");
+    assert!(daemon.stop().success());
+}
