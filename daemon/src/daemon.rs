@@ -515,7 +515,7 @@ impl Daemon {
                 return Err(Error::Exhausted {
                     tier: "device",
                     requested: need,
-                    available: core.pool.budget() - core.pool.used(),
+                    available: core.pool.budget().saturating_sub(core.pool.used()),
                     budget: core.pool.budget(),
                 });
             }

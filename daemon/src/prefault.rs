@@ -27,7 +27,12 @@ pub fn headroom(budget: u64) -> u64 {
 pub async fn prefault_task(daemon: Arc<Daemon>) {
     let headroom = headroom(daemon.config.device_budget);
     while !daemon.is_shutting_down() {
-        let jobs = daemon.core.lock().pool.prefault_jobs(headroom, MAX_STEP);
+        let jobs = {
+            let core = daemon.core.lock();
+            // While the budget is shrunk (memory pressure) nothing is faulted in ahead of need.
+            let ahead = if core.pool.budget() < core.pool.configured_budget() { 0 } else { headroom };
+            core.pool.prefault_jobs(ahead, MAX_STEP)
+        };
         if jobs.is_empty() {
             let _ = tokio::time::timeout(IDLE_TICK, daemon.prefault_wanted.notified()).await;
             continue;

@@ -95,6 +95,45 @@ impl DramPool {
         self.seal
     }
 
+    /// The pool's size: the configured DRAM budget.
+    pub fn capacity(&self) -> u64 {
+        self.budget
+    }
+
+    /// Sets the bytes the pool may hold now (at most its size; memory pressure lowers it). Pages
+    /// already stored stay; new ones are refused as [`TierError::Full`] until `used` is below it.
+    pub fn set_limit(&mut self, bytes: u64) {
+        self.stats.budget = bytes.min(self.budget);
+    }
+
+    /// Gives the memory behind free frames back to the system (`MADV_DONTNEED` on their whole
+    /// 4 KiB pages: they read as zeros afterwards). Returns the bytes released.
+    pub fn release_free(&mut self) -> u64 {
+        const PAGE: u64 = 4096;
+        let holes: Vec<(u64, u64)> = self.frames.free_extents().collect();
+        let mut released = 0;
+        for (offset, len) in holes {
+            let (start, end) = (offset.next_multiple_of(PAGE), (offset + len) / PAGE * PAGE);
+            if end <= start {
+                continue;
+            }
+            // SAFETY: `start..end` is inside the mapping (free extents lie inside the capacity) and
+            // holds no live frame; `&mut self` means nobody reads it meanwhile.
+            let done = unsafe {
+                rustix::mm::madvise(
+                    self.base.as_ptr().add(start as usize).cast(),
+                    (end - start) as usize,
+                    Advice::LinuxDontNeed,
+                )
+            };
+            match done {
+                Ok(()) => released += end - start,
+                Err(e) => tracing::warn!(error = %e, "MADV_DONTNEED on free DRAM frames failed"),
+            }
+        }
+        released
+    }
+
     /// The bytes of an allocated extent.
     fn frame(&mut self, offset: u64, len: u64) -> &mut [u8] {
         assert!(offset + len <= self.budget, "frame {offset}+{len} outside the pool");
@@ -120,12 +159,17 @@ impl DramPool {
             }
         };
         let extent = ExtentAllocator::frame_len(u64::from(len).max(1));
-        let offset = self.frames.alloc(extent).ok_or(TierError::Full {
+        let limit = self.stats.budget;
+        let full = TierError::Full {
             tier: TierKind::Dram,
             need: extent,
-            free: self.budget - self.frames.used(),
-            budget: self.budget,
-        })?;
+            free: limit.saturating_sub(self.frames.used()),
+            budget: limit,
+        };
+        if self.frames.used() + extent > limit {
+            return Err(full);
+        }
+        let offset = self.frames.alloc(extent).ok_or(full)?;
         let nonce = match key {
             Some(_) => match self.counters.next((offset / FRAME_ALIGN) as u32) {
                 Ok(nonce) => Some(nonce),
@@ -259,6 +303,35 @@ mod tests {
 
     fn id(block: u32) -> PageId {
         PageId { session: 3, layer: 1, block }
+    }
+
+    #[test]
+    fn a_lowered_limit_refuses_pages_and_free_frames_go_back_to_the_system() {
+        let mut pool = DramPool::new(4 << 20, false).unwrap();
+        let page = vec![7u8; 100_000];
+        let put = |pool: &mut DramPool, n: u32| -> Vec<Result<DramSlot, TierError>> {
+            let writes: Vec<PageWrite<'_>> =
+                (0..n).map(|b| PageWrite { key: None, page: id(b), bytes: &page }).collect();
+            pool.put(&writes)
+        };
+        let slots: Vec<DramSlot> = put(&mut pool, 30).into_iter().map(|r| r.unwrap()).collect();
+        pool.set_limit(2 << 20);
+        assert_eq!((pool.stats().budget, pool.capacity()), (2 << 20, 4 << 20));
+        let refused = put(&mut pool, 1);
+        assert!(matches!(refused[0], Err(TierError::Full { budget, .. }) if budget == 2 << 20), "{refused:?}");
+        for slot in &slots[5..] {
+            pool.free(*slot);
+        }
+        assert!(put(&mut pool, 1)[0].is_ok(), "room again under the limit");
+        let released = pool.release_free();
+        assert!(released >= 24 * 100_000, "{released}");
+        // The live pages keep their bytes.
+        let mut out = vec![0u8; page.len()];
+        let mut reads = [PageRead { key: None, page: id(0), slot: slots[0], out: &mut out }];
+        assert!(pool.get(&mut reads)[0].is_ok());
+        assert_eq!(out, page);
+        pool.set_limit(u64::MAX);
+        assert_eq!(pool.stats().budget, 4 << 20, "never above the pool's size");
     }
 
     #[test]

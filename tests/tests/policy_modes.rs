@@ -219,3 +219,105 @@ fn a_zone_past_its_passive_trip_enters_thermal_mode_and_cuts_background_migratio
     assert!(cool_rate >= 4.0 * hot_rate, "thermal mode must cut background migration at least 4×");
     assert!(daemon.stop().success());
 }
+
+/// Resident memory of a process, from `/proc/PID/smaps_rollup` (bytes).
+fn rss(pid: u32) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap();
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Rss:"))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .map(|v| v.trim().parse().unwrap())
+        .unwrap();
+    kib * 1024
+}
+
+fn device(s: &StatusResponse) -> (u64, u64) {
+    let t = s.tiers.iter().find(|t| t.tier == "device").unwrap();
+    (t.budget_bytes, t.used_bytes)
+}
+
+#[test]
+fn memory_pressure_shrinks_the_budgets_gives_memory_back_and_grows_back() {
+    let host = FakeHost::laptop();
+    let flash = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(&[
+        "--host-root",
+        host.root().to_str().unwrap(),
+        "--policy-interval-ms",
+        "200",
+        "--device-budget",
+        "64MiB",
+        "--dram-budget",
+        "8MiB",
+        "--flash-budget",
+        "128MiB",
+        "--flash-dir",
+        flash.path().to_str().unwrap(),
+    ]);
+    wait_mode(&daemon, "performance");
+    // 6 layers × 11,500 tokens of SmolLM2-shaped pages: about 55 MB, under the 90% watermark.
+    let mut c = spawn_client(
+        "run",
+        &daemon,
+        &["--layers", "6", "--tokens", "11500", "--max-tokens", "16384", "--no-attend", "--seed", "31"],
+    );
+    c.expect_line("appended");
+    let (budget, used_before) = device(&daemon.status());
+    assert_eq!(budget, 64 << 20);
+    assert!(used_before > 50 << 20, "{used_before}");
+    std::thread::sleep(Duration::from_millis(500));
+    let rss_before = rss(daemon.pid());
+
+    host.write(
+        "proc/pressure/memory",
+        "some avg10=42.00 avg60=10.00 avg300=2.00 total=123456\nfull avg10=8.00 avg60=1.00 avg300=0.10 total=2345\n",
+    );
+    let (s, took) = daemon.wait_status(Duration::from_secs(10), |s| {
+        s.policy.as_ref().is_some_and(|p| p.memory_pressure) && device(s).1 <= (32 << 20) / 100 * 90
+    });
+    let p = s.policy.clone().unwrap();
+    assert!(p.memory_pressure && p.cause.contains("stalled 42.0%"), "{p:?}\n{}", daemon.log());
+    assert_eq!((p.device_budget_percent, device(&s).0), (50, 32 << 20), "{p:?}");
+    let used_after = device(&s).1;
+    assert!(used_after <= (32 << 20) / 100 * 90, "demoted under the shrunk budget in {took:?}: {used_after}");
+    // The memory behind the freed frames goes back: resident memory falls by about the bytes that
+    // left the device (they went to flash; DRAM is shrunk too).
+    let freed = used_before - used_after;
+    let (_, rss_after) = {
+        let start = Instant::now();
+        loop {
+            let r = rss(daemon.pid());
+            if rss_before.saturating_sub(r) >= freed / 2 || start.elapsed() > Duration::from_secs(10) {
+                break (start.elapsed(), r);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    eprintln!(
+        "memory pressure: device used {used_before} -> {used_after} B; kvmmd Rss {rss_before} -> {rss_after} B \
+         (smaps_rollup)"
+    );
+    assert!(rss_before.saturating_sub(rss_after) >= freed / 2, "Rss {rss_before} -> {rss_after}, freed {freed}");
+
+    // Pressure clears: the budgets come back and the client's pages can come back to the device.
+    host.write(
+        "proc/pressure/memory",
+        "some avg10=0.50 avg60=5.00 avg300=2.00 total=123999\nfull avg10=0.00 avg60=1.00 avg300=0.10 total=2345\n",
+    );
+    let (s, _) = daemon.wait_status(Duration::from_secs(10), |s| {
+        s.policy.as_ref().is_some_and(|p| !p.memory_pressure) && device(s).0 == 64 << 20
+    });
+    assert_eq!(device(&s).0, 64 << 20, "{:?}", s.policy);
+    c.send("prefetch");
+    let f = fields(&c.expect_line("prefetched"));
+    assert!(f["scheduled"].parse::<u64>().unwrap() > 0, "{f:?}");
+    let (s, _) = daemon.wait_status(Duration::from_secs(20), |s| device(s).1 > used_after + (8 << 20));
+    assert!(device(&s).1 > used_after + (8 << 20), "the pages (now q8) came back to the device: {:?}", device(&s));
+    let rss_grown = rss(daemon.pid());
+    eprintln!("after pressure: kvmmd Rss {rss_grown} B, device used {} B", device(&daemon.status()).1);
+    assert!(rss_grown > rss_after + (8 << 20), "Rss {rss_after} -> {rss_grown}");
+    c.send("exit");
+    c.expect_line("detached");
+    assert!(daemon.stop().success());
+}

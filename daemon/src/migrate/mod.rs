@@ -11,7 +11,11 @@ pub mod tiering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvmm_store::dram::DramPool;
+
+use crate::config::MIN_DEVICE_BUDGET;
 use crate::daemon::Daemon;
+use crate::policy::mode::Tuning;
 use crate::policy::rate::RateLimit;
 
 /// Moves per arena in one compaction pass; bounds how long one pass holds the core lock.
@@ -60,6 +64,8 @@ pub fn tier_task(daemon: Arc<Daemon>) {
     let mut flash_writes = RateLimit::new(start.flash_write_bytes_per_s, Instant::now());
     // Whether a watermark drain of the device is under way.
     let mut draining = false;
+    // When free memory was last given back under pressure.
+    let mut last_release: Option<Instant> = None;
     while !daemon.is_shutting_down() {
         {
             let (flag, cv) = &daemon.tier_wanted;
@@ -71,8 +77,12 @@ pub fn tier_task(daemon: Arc<Daemon>) {
         }
         let tuning = daemon.tuning();
         let now = Instant::now();
-        background.set_rate(tuning.background_bytes_per_s, now);
-        flash_writes.set_rate(tuning.flash_write_bytes_per_s, now);
+        // Under memory pressure the budgets shrink and the drain is not rate-limited: the memory
+        // has to go back to the system now.
+        let shrunk = tuning.device_budget_pct < 100 || tuning.dram_budget_pct < 100;
+        background.set_rate(if shrunk { None } else { tuning.background_bytes_per_s }, now);
+        flash_writes.set_rate(if shrunk { None } else { tuning.flash_write_bytes_per_s }, now);
+        apply_budgets(&daemon, &tuning, shrunk, &mut last_release, now);
         let queued: Vec<tiering::PageRef> = daemon.core.lock().prefetch_queue.drain(..).collect();
         let mut sessions: Vec<u64> = queued.iter().map(|r| r.session).collect();
         sessions.dedup();
@@ -130,4 +140,41 @@ pub fn tier_task(daemon: Arc<Daemon>) {
             }
         }
     }
+}
+
+/// How often free memory is given back while the budgets are shrunk.
+const RELEASE_EVERY: Duration = Duration::from_millis(500);
+
+/// Sets the device and DRAM budgets the mode allows and, while they are shrunk, gives the memory
+/// of free frames back to the system every [`RELEASE_EVERY`] (the watermark drain below demotes
+/// what is over the new budgets first).
+fn apply_budgets(daemon: &Daemon, tuning: &Tuning, shrunk: bool, last_release: &mut Option<Instant>, now: Instant) {
+    let mut core = daemon.core.lock();
+    let device = percent_of(core.pool.configured_budget(), tuning.device_budget_pct).max(MIN_DEVICE_BUDGET);
+    if device != core.pool.budget() {
+        tracing::info!(bytes = device, "device budget in force");
+        core.pool.set_budget(device);
+    }
+    if let Some(dram) = core.dram.as_mut() {
+        dram.set_limit(percent_of(dram.capacity(), tuning.dram_budget_pct));
+    }
+    if !shrunk {
+        *last_release = None;
+        return;
+    }
+    if last_release.is_some_and(|t| now.duration_since(t) < RELEASE_EVERY) {
+        return;
+    }
+    *last_release = Some(now);
+    let device = core.pool.release_free();
+    let dram = core.dram.as_mut().map_or(0, DramPool::release_free);
+    match device {
+        Ok(bytes) => tracing::debug!(device = bytes, dram, "free memory given back"),
+        Err(e) => tracing::warn!(error = %e, "giving free device memory back failed"),
+    }
+}
+
+/// `pct` percent of `bytes`, exact at 100.
+fn percent_of(bytes: u64, pct: u8) -> u64 {
+    (u128::from(bytes) * u128::from(pct) / 100) as u64
 }

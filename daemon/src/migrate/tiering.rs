@@ -450,7 +450,7 @@ impl Room {
     fn fits(&self, core: &Core) -> bool {
         match self.uid {
             Some(uid) => core.pool.fits(uid, self.frame_len, self.count),
-            None => core.pool.budget() - core.pool.used() >= self.bytes(),
+            None => core.pool.budget().saturating_sub(core.pool.used()) >= self.bytes(),
         }
     }
 }
@@ -472,7 +472,7 @@ pub fn make_room(
         if room.fits(core) {
             return Ok(true);
         }
-        let free = core.pool.budget() - core.pool.used();
+        let free = core.pool.budget().saturating_sub(core.pool.used());
         let need = room.bytes();
         // Short of budget: any session's pages help. Short of a hole: only the arena's own do.
         let (bytes, only) = if free < need { (need - free, None) } else { (need, room.uid) };

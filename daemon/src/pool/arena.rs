@@ -57,7 +57,8 @@ pub struct Arena {
     map: Arc<Mapping>,
     /// Which extents are frames.
     frames: ExtentAllocator,
-    /// Bytes from offset 0 that the prefaulter has faulted in; only grows.
+    /// Bytes from offset 0 that the prefaulter has faulted in; grows, and falls back to the
+    /// high-water mark when memory is given back under pressure.
     populated: u64,
 }
 
@@ -129,6 +130,25 @@ impl Arena {
         self.populated = self.populated.max(end);
     }
 
+    /// Punches the whole 4 KiB pages of every free extent out of the memfd (they read as zeros
+    /// afterwards, as freed frames do) and lowers the faulted-in mark to the high-water mark's
+    /// chunk. Returns the bytes punched.
+    pub fn release_free(&mut self) -> Result<u64> {
+        const PAGE: u64 = 4096;
+        let mut punched = 0;
+        let holes: Vec<(u64, u64)> = self.frames.free_extents().collect();
+        for (offset, len) in holes {
+            let (start, end) = (offset.next_multiple_of(PAGE), (offset + len) / PAGE * PAGE);
+            let end = end.min(self.populated.next_multiple_of(PAGE));
+            if end > start {
+                self.memfd.punch_hole(start, end - start)?;
+                punched += end - start;
+            }
+        }
+        self.populated = self.populated.min(self.frames.high_water().next_multiple_of(POPULATE_CHUNK));
+        Ok(punched)
+    }
+
     /// Zeroes a frame and returns it to the allocator.
     pub fn free(&mut self, frame: Frame) -> Result<()> {
         self.map.zero(frame.offset as usize, frame.footprint() as usize)?;
@@ -165,5 +185,44 @@ mod tests {
         a.free(f).unwrap();
         let full = a.next_prefault(1 << 30, 1 << 30).unwrap();
         assert_eq!(full.end, 64 << 20, "never past the arena");
+    }
+
+    /// Pages of the arena's memfd that are resident (`mincore` on the daemon's mapping).
+    fn resident_pages(a: &Arena) -> usize {
+        let len = a.mapping().len();
+        let mut vec = vec![0u8; len.div_ceil(4096)];
+        // SAFETY: the mapping covers `len` bytes and `vec` has one byte per page of it.
+        let r = unsafe { libc::mincore(a.mapping().as_ptr() as *mut libc::c_void, len, vec.as_mut_ptr()) };
+        assert_eq!(r, 0);
+        vec.iter().filter(|&&b| b & 1 == 1).count()
+    }
+
+    #[test]
+    fn released_free_frames_leave_memory_and_live_frames_keep_their_bytes() {
+        let mut a = Arena::create(4243, 16 << 20).unwrap();
+        let frames: Vec<Frame> = (0..40).map(|_| a.alloc(100_000).unwrap()).collect();
+        for (i, f) in frames.iter().enumerate() {
+            a.mapping().write_at(f.offset as usize, &vec![i as u8 + 1; f.len as usize]).unwrap();
+        }
+        a.mark_populated(8 << 20);
+        let before = resident_pages(&a);
+        for f in frames.iter().skip(10) {
+            a.free(*f).unwrap();
+        }
+        let punched = a.release_free().unwrap();
+        assert!(punched >= 30 * 100_000 - 30 * 8192, "{punched}");
+        let after = resident_pages(&a);
+        // Only the ten live frames (about 1 MB) stay resident; the thirty written and freed left.
+        let live_pages = (10 * 100_032usize).div_ceil(4096) + 1;
+        assert!(after <= live_pages && before - after >= 30 * 100_000 / 4096 - 30, "{before} -> {after} pages");
+        assert_eq!(a.populated(), (10 * 100_032u64).next_multiple_of(POPULATE_CHUNK), "back to the high-water chunk");
+        for (i, f) in frames.iter().take(10).enumerate() {
+            let mut buf = vec![0u8; f.len as usize];
+            a.mapping().read_at(f.offset as usize, &mut buf).unwrap();
+            assert!(buf.iter().all(|&b| b == i as u8 + 1), "frame {i} kept its bytes");
+        }
+        let mut freed = vec![1u8; 100_000];
+        a.mapping().read_at(frames[20].offset as usize, &mut freed).unwrap();
+        assert!(freed.iter().all(|&b| b == 0), "a released frame reads as zeros");
     }
 }

@@ -21,8 +21,11 @@ pub const DEVICE_TIER: &str = "device";
 /// The device-tier pool.
 #[derive(Debug)]
 pub struct Pool {
-    /// Bytes the device tier may hold, across all arenas. Fixed at start-up.
+    /// Bytes the device tier may hold now, across all arenas: the configured budget, or less while
+    /// the policy shrinks it (memory pressure). Allocations past it fail.
     budget: u64,
+    /// The budget configured at start-up; the size of every arena's memfd.
+    configured: u64,
     /// Bytes of frames handed out, across all arenas.
     used: u64,
     /// Frames handed out, across all arenas.
@@ -34,12 +37,40 @@ pub struct Pool {
 impl Pool {
     /// An empty pool with the given budget.
     pub fn new(budget: u64) -> Self {
-        Pool { budget, used: 0, frames: 0, arenas: HashMap::new() }
+        Pool { budget, configured: budget, used: 0, frames: 0, arenas: HashMap::new() }
     }
 
-    /// The budget in bytes.
+    /// The budget in force, in bytes.
     pub fn budget(&self) -> u64 {
         self.budget
+    }
+
+    /// The budget configured at start-up.
+    pub fn configured_budget(&self) -> u64 {
+        self.configured
+    }
+
+    /// Sets the budget in force to `bytes` (at most the configured one). Frames already handed out
+    /// stay: `used` may exceed a lowered budget until demotion brings it down, and until then no
+    /// new frame is handed out.
+    pub fn set_budget(&mut self, bytes: u64) {
+        self.budget = bytes.min(self.configured);
+    }
+
+    /// Bytes a new frame may still take under the budget in force.
+    fn room(&self) -> u64 {
+        self.budget.saturating_sub(self.used)
+    }
+
+    /// Gives the memory behind free frames back to the system (punching whole 4 KiB pages out of
+    /// each arena's memfd, which reads as zeros, like a freed frame), and forgets that the tail past
+    /// each arena's high-water mark was faulted in. Returns the bytes punched.
+    pub fn release_free(&mut self) -> Result<u64> {
+        let mut released = 0;
+        for arena in self.arenas.values_mut() {
+            released += arena.release_free()?;
+        }
+        Ok(released)
     }
 
     /// Bytes of frames in use.
@@ -60,8 +91,8 @@ impl Pool {
     /// The arena of `uid`, created on first use.
     pub fn arena_for(&mut self, uid: u32) -> Result<&mut Arena> {
         if !self.arenas.contains_key(&uid) {
-            let arena = Arena::create(uid, self.budget)?;
-            tracing::info!(uid, bytes = self.budget, "created arena");
+            let arena = Arena::create(uid, self.configured)?;
+            tracing::info!(uid, bytes = self.configured, "created arena");
             self.arenas.insert(uid, arena);
         }
         self.arenas.get_mut(&uid).ok_or_else(|| Error::FailedPrecondition("arena vanished".to_owned()))
@@ -80,7 +111,7 @@ impl Pool {
     /// Allocates `count` frames of `len` bytes for `uid`: all of them or none.
     pub fn alloc_frames(&mut self, uid: u32, len: u64, count: u64) -> Result<Vec<Frame>> {
         let requested = ExtentAllocator::frame_len(len).saturating_mul(count);
-        let available = self.budget - self.used;
+        let available = self.room();
         if requested > available {
             return Err(Error::Exhausted { tier: DEVICE_TIER, requested, available, budget: self.budget });
         }
@@ -107,7 +138,7 @@ impl Pool {
     /// counted like any other frame; `None` when the budget or the arena has no room.
     pub fn alloc_move_target(&mut self, uid: u32, len: u64, at: Option<u64>) -> Result<Option<Frame>> {
         let need = ExtentAllocator::frame_len(len);
-        if need > self.budget - self.used {
+        if need > self.room() {
             return Ok(None);
         }
         let Some(arena) = self.arenas.get_mut(&uid) else { return Ok(None) };
@@ -126,7 +157,7 @@ impl Pool {
     /// arena (holes are counted whole frames at a time; a uid without an arena yet has all of it).
     pub fn fits(&self, uid: u32, len: u64, count: u64) -> bool {
         let need = ExtentAllocator::frame_len(len);
-        if need.saturating_mul(count) > self.budget - self.used {
+        if need.saturating_mul(count) > self.room() {
             return false;
         }
         let Some(arena) = self.arenas.get(&uid) else { return true };
@@ -230,5 +261,23 @@ mod tests {
         assert!(pool.fits(3, 14_336, 4));
         assert!(pool.fits(9, 25_408, 1), "a uid without an arena only needs the budget");
         assert!(!pool.fits(3, 14_336, 1_000), "nor more than the budget");
+    }
+
+    #[test]
+    fn a_lowered_budget_refuses_new_frames_until_used_is_under_it_and_comes_back() {
+        let mut pool = Pool::new(8 << 20);
+        let f = pool.alloc_frames(5, 1 << 20, 6).unwrap();
+        pool.set_budget(4 << 20);
+        assert_eq!((pool.budget(), pool.configured_budget()), (4 << 20, 8 << 20));
+        let e = pool.alloc_frames(5, 4096, 1).unwrap_err();
+        assert!(matches!(e, Error::Exhausted { available: 0, budget, .. } if budget == 4 << 20), "{e}");
+        assert!(!pool.fits(5, 4096, 1));
+        for frame in &f[..3] {
+            pool.free_frame(5, *frame).unwrap();
+        }
+        assert!(pool.fits(5, 1 << 20, 1) && !pool.fits(5, 1 << 20, 2));
+        pool.set_budget(u64::MAX);
+        assert_eq!(pool.budget(), 8 << 20, "never above the configured budget");
+        assert!(pool.fits(5, 1 << 20, 5));
     }
 }

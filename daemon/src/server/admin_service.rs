@@ -120,7 +120,7 @@ impl pb::admin_server::Admin for AdminService {
             tier: DEVICE_TIER.to_owned(),
             budget_bytes: s.budget,
             used_bytes: s.used,
-            free_bytes: s.budget - s.used,
+            free_bytes: s.budget.saturating_sub(s.used),
             frames: s.frames,
             pages: s.pages_device,
             ..Default::default()
