@@ -171,7 +171,7 @@ impl std::str::FromStr for ByteSize {
 }
 
 /// Values given on the command line; each overrides the file.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Overrides {
     /// `--runtime-dir`.
     pub runtime_dir: Option<PathBuf>,
@@ -233,6 +233,10 @@ pub struct Resolved {
     pub tiers: Tiers,
     /// Modes and sensors.
     pub policy: Policy,
+    /// The configuration file it came from, read again by a policy reload.
+    pub config_file: Option<PathBuf>,
+    /// The command line's values, which a reload keeps over the file's.
+    pub overrides: Overrides,
 }
 
 /// The resolved `[policy]` table.
@@ -297,6 +301,7 @@ impl FileConfig {
     pub fn resolve(self, cli: Overrides, env: &Environment) -> Result<Resolved> {
         let tiers = resolve_tiers(self.tiers.clone().unwrap_or_default(), &cli, env)?;
         let policy = resolve_policy(self.policy.clone().unwrap_or_default(), &cli)?;
+        let overrides = cli.clone();
         let runtime_dir = cli.runtime_dir.or(self.runtime_dir).map(Ok).unwrap_or_else(|| env.default_runtime_dir())?;
         let budget = cli
             .device_budget
@@ -323,6 +328,8 @@ impl FileConfig {
         Ok(Resolved {
             tiers,
             policy,
+            config_file: None,
+            overrides,
             runtime_dir,
             device_budget: budget,
             admin_gid,
@@ -412,6 +419,28 @@ fn resolve_tiers(file: TiersConfig, cli: &Overrides, env: &Environment) -> Resul
         high_watermark: high,
         low_watermark: low,
     })
+}
+
+impl Resolved {
+    /// The `[policy]` table as it reads now: the configuration file read again (embedded defaults
+    /// without one), with the command line's values still over it. Only the policy is re-read; the
+    /// rest of the file applies at the next start.
+    pub fn reload_policy(&self) -> Result<Policy> {
+        let file = match &self.config_file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    Error::FailedPrecondition(format!(
+                        "cannot read the configuration file {} to reload the policy: {e}",
+                        path.display()
+                    ))
+                })?;
+                FileConfig::parse(&text)
+                    .map_err(|msg| Error::InvalidArgument(format!("configuration file {}: {msg}", path.display())))?
+            }
+            None => FileConfig::default(),
+        };
+        resolve_policy(file.policy.unwrap_or_default(), &self.overrides)
+    }
 }
 
 /// Decides the `[policy]` values: flags over the file over defaults.

@@ -237,6 +237,25 @@ impl Daemon {
         }))
     }
 
+    /// Reads the policy again (SIGHUP, admin `ReloadPolicy`) and applies it at once. A file that
+    /// does not parse or validate leaves the running policy as it was. The host root and the
+    /// reading interval apply at the next start.
+    pub fn reload_policy(&self) -> Result<()> {
+        let fresh = self.config.reload_policy()?;
+        if fresh.host_root != self.config.policy.host_root || fresh.interval != self.config.policy.interval {
+            tracing::warn!("policy host_root and interval_ms changes take effect when kvmmd restarts");
+        }
+        let change = self.policy.lock().reload(&self.config, fresh.modes);
+        match change {
+            Some(c) => {
+                tracing::info!(mode = %c.mode, memory_pressure = ?c.pressure, cause = %c.cause, "policy reloaded")
+            }
+            None => tracing::info!("policy reloaded; the mode is unchanged"),
+        }
+        self.wake_tiers();
+        Ok(())
+    }
+
     /// What the mode in force sets.
     pub fn tuning(&self) -> Tuning {
         self.policy.lock().tuning()

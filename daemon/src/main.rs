@@ -101,7 +101,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         host_root: cli.host_root,
         policy_interval_ms: cli.policy_interval_ms,
     };
-    let config = file.resolve(overrides, &Environment::from_process()?)?;
+    let mut config = file.resolve(overrides, &Environment::from_process()?)?;
+    config.config_file = cli.config;
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&config.log)?)
         .with_writer(std::io::stderr)

@@ -137,6 +137,12 @@ impl Daemon {
         self.admin(async |mut admin| admin.compress(request).await.map(tonic::Response::into_inner))
     }
 
+    /// Admin `ReloadPolicy`, returning the status on refusal.
+    pub fn reload_policy(&self) -> Result<kvmm_proto::v1::ReloadPolicyResponse, tonic::Status> {
+        let request = kvmm_proto::v1::ReloadPolicyRequest {};
+        self.admin(async |mut admin| admin.reload_policy(request).await.map(tonic::Response::into_inner))
+    }
+
     /// Device-tier bytes in use.
     pub fn device_used(&self) -> u64 {
         self.status().tiers[0].used_bytes

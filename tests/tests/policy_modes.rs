@@ -321,3 +321,96 @@ fn memory_pressure_shrinks_the_budgets_gives_memory_back_and_grows_back() {
     c.expect_line("detached");
     assert!(daemon.stop().success());
 }
+
+#[test]
+fn under_pressure_a_background_sessions_pages_leave_the_device_before_a_foreground_ones() {
+    let host = FakeHost::laptop();
+    let daemon = Daemon::start(&[
+        "--host-root",
+        host.root().to_str().unwrap(),
+        "--policy-interval-ms",
+        "200",
+        "--device-budget",
+        "32MiB",
+        "--dram-budget",
+        "32MiB",
+    ]);
+    wait_mode(&daemon, "performance");
+    // Two sessions of about 12 MB each: 6 layers × 2,600 tokens (81 full pages per layer). The
+    // foreground one attaches and writes first, so by age alone its pages would go first.
+    let args = |priority: &'static str, seed: &'static str| {
+        vec!["--layers", "6", "--tokens", "2600", "--no-attend", "--seed", seed, "--priority", priority]
+    };
+    let mut fg = spawn_client("run", &daemon, &args("foreground", "41"));
+    fg.expect_line("appended");
+    let mut bg = spawn_client("run", &daemon, &args("background", "42"));
+    bg.expect_line("appended");
+    let pages = |c: &mut kvmm_tests::Worker| {
+        c.send("stats");
+        let f = fields(&c.expect_line("stats"));
+        (f["device_pages"].parse::<u64>().unwrap(), f["dram_pages"].parse::<u64>().unwrap())
+    };
+    let (fg_before, bg_before) = (pages(&mut fg), pages(&mut bg));
+    assert_eq!((fg_before.1, bg_before.1), (0, 0));
+
+    // Pressure halves the budget to 16 MiB; the drain to its low watermark (12.8 MiB) must move
+    // about 11 MB, less than the background session holds.
+    host.write("proc/pressure/memory", "some avg10=30.00 avg60=3.00 avg300=1.00 total=9999\n");
+    let (s, _) = daemon.wait_status(Duration::from_secs(10), |s| device(s).1 <= (16 << 20) / 100 * 90);
+    assert!(device(&s).1 <= (16 << 20) / 100 * 90, "{:?}", device(&s));
+    let (fg_after, bg_after) = (pages(&mut fg), pages(&mut bg));
+    eprintln!("device pages: foreground {fg_before:?} -> {fg_after:?}, background {bg_before:?} -> {bg_after:?}");
+    assert_eq!(fg_after, fg_before, "the foreground session kept every page on the device");
+    assert!(bg_after.0 < bg_before.0 && bg_after.1 > 0, "the background session's pages went to DRAM");
+    for mut c in [fg, bg] {
+        c.send("exit");
+        c.expect_line("detached");
+    }
+    assert!(daemon.stop().success());
+}
+
+#[test]
+fn sighup_and_the_reload_rpc_apply_a_new_policy_at_once_and_a_bad_one_changes_nothing() {
+    let host = FakeHost::laptop();
+    host.write("sys/class/power_supply/AC/online", "0");
+    host.write("sys/class/power_supply/BAT0/status", "Discharging");
+    host.write("sys/class/power_supply/BAT0/capacity", "10");
+    let config = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(config.path(), "[policy]\nmode = \"performance\"\n").unwrap();
+    let daemon = Daemon::start(&[
+        "--config",
+        config.path().to_str().unwrap(),
+        "--host-root",
+        host.root().to_str().unwrap(),
+        "--policy-interval-ms",
+        "5000",
+    ]);
+    let (s, _) = wait_mode(&daemon, "performance");
+    assert!(s.policy.unwrap().cause.contains("pinned"));
+
+    // SIGHUP with the pin removed: powersave from the last reading, without waiting for the next.
+    std::fs::write(config.path(), "[policy]\nmode = \"auto\"\npowersave_below = 15\n").unwrap();
+    daemon.signal(rustix::process::Signal::HUP);
+    let (s, took) = wait_mode(&daemon, "powersave");
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    assert!(s.policy.unwrap().cause.contains("BAT0 discharging at 10% (powersave at or below 15%)"));
+
+    // A policy that does not validate is refused with the reason, and nothing changes.
+    std::fs::write(config.path(), "[policy]\nmode = \"turbo\"\n").unwrap();
+    let err = daemon.reload_policy().unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("\"turbo\" is not a mode"), "{}", err.message());
+    daemon.signal(rustix::process::Signal::HUP);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(mode(&daemon.status()), "powersave");
+    assert!(daemon.log().contains("policy reload refused"), "{}", daemon.log());
+
+    // The RPC answers with the policy in force.
+    std::fs::write(config.path(), "[policy]\nmode = \"thermal\"\n").unwrap();
+    let p = daemon.reload_policy().unwrap().policy.unwrap();
+    assert_eq!((p.mode.as_str(), p.prefetch_depth), ("thermal", 1), "{p:?}");
+    std::fs::remove_file(config.path()).unwrap();
+    let err = daemon.reload_policy().unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{}", err.message());
+    assert!(daemon.stop().success());
+}

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::mode::{Change, Mode, Planner, Pressure, Tuning, tuning};
+use super::mode::{Change, Mode, ModePolicy, Planner, Pressure, Tuning, tuning};
 use super::sensors::{HostRoot, PressureWatch, Signals};
 use crate::config::Resolved;
 use crate::daemon::Daemon;
@@ -91,6 +91,14 @@ impl LivePolicy {
         }
         self.signals = signals;
         change
+    }
+
+    /// Replaces the planner's thresholds (a reload) and applies them to the last reading at once;
+    /// returns the change, if the mode or pressure changed.
+    pub fn reload(&mut self, config: &Resolved, modes: ModePolicy) -> Option<Change> {
+        self.planner.set_policy(modes);
+        let signals = std::mem::take(&mut self.signals);
+        self.observe(config, signals)
     }
 
     /// A snapshot for the status RPC.

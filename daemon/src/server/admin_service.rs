@@ -113,6 +113,15 @@ impl pb::admin_server::Admin for AdminService {
         Ok(Response::new(pb::DemoteResponse { demoted, skipped }))
     }
 
+    async fn reload_policy(
+        &self,
+        req: Request<pb::ReloadPolicyRequest>,
+    ) -> Result<Response<pb::ReloadPolicyResponse>, Status> {
+        self.authorize(caller(&req)?)?;
+        self.daemon.reload_policy()?;
+        Ok(Response::new(pb::ReloadPolicyResponse { policy: Some(policy_status(&self.daemon.policy.lock().view())) }))
+    }
+
     async fn status(&self, req: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
         self.authorize(caller(&req)?)?;
         let s = self.daemon.status();

@@ -105,7 +105,7 @@ pub async fn run(daemon: Arc<Daemon>, dir: RuntimeDir) -> Result<()> {
         pid = std::process::id(),
         "kvmmd ready"
     );
-    wait_for_signal().await?;
+    wait_for_signal(&daemon).await?;
 
     tracing::info!("shutting down: no new work is admitted");
     daemon.begin_shutdown();
@@ -130,12 +130,21 @@ pub async fn run(daemon: Arc<Daemon>, dir: RuntimeDir) -> Result<()> {
     Ok(())
 }
 
-async fn wait_for_signal() -> Result<()> {
+/// Waits for SIGTERM or SIGINT; SIGHUP meanwhile reloads the policy.
+async fn wait_for_signal(daemon: &Arc<Daemon>) -> Result<()> {
     let mut term = signal(SignalKind::terminate()).map_err(|e| Error::io("cannot handle SIGTERM", e))?;
     let mut int = signal(SignalKind::interrupt()).map_err(|e| Error::io("cannot handle SIGINT", e))?;
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = int.recv() => tracing::info!("SIGINT received"),
+    let mut hup = signal(SignalKind::hangup()).map_err(|e| Error::io("cannot handle SIGHUP", e))?;
+    loop {
+        tokio::select! {
+            _ = term.recv() => { tracing::info!("SIGTERM received"); return Ok(()) }
+            _ = int.recv() => { tracing::info!("SIGINT received"); return Ok(()) }
+            _ = hup.recv() => {
+                tracing::info!("SIGHUP received: reloading the policy");
+                if let Err(e) = daemon.reload_policy() {
+                    tracing::error!(error = %e, "policy reload refused; the running policy stays");
+                }
+            }
+        }
     }
-    Ok(())
 }

@@ -3,7 +3,8 @@
 //!
 //! Prints, per format, a table per layer of the attention output's relative error (mean, p99, max)
 //! and cosine (mean, min) with the old pages in that format and the last `--exact-tokens` tokens
-//! f16; an overall table; the KIVI layout (q4) against per-token 4-bit keys; page selection at a
+//! f16; an overall table; the KIVI layout (q4) against per-token 4-bit keys; adaptive precision
+//! (q8/q4/q2 by attention mass) against uniform q4 at equal bytes; page selection at a
 //! `--budget` fraction of the context's pages over f16 and q8 pages against full attention; and
 //! whether issue 3's thresholds hold (q8: mean ≤ 1%, p99 ≤ 4%, cosine ≥ 0.9999; q4: mean ≤ 7%,
 //! p99 ≤ 30%, cosine ≥ 0.997).
@@ -15,7 +16,7 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use kvmm_infer::fixture;
 use kvmm_infer::quality::report::{Style, comparison_table, layer_table, overall_table, percent, selection_table};
-use kvmm_infer::quality::{Evaluation, Quality, QualityOptions, Scheme};
+use kvmm_infer::quality::{ADAPTIVE_HISTORY, ADAPTIVE_Q8_SHARE, Evaluation, Quality, QualityOptions, Scheme};
 use kvmm_kernels::Format;
 
 /// Score kvmm's compressed KV page formats and page selection on a fixture's real K/V.
@@ -152,6 +153,7 @@ fn main() -> anyhow::Result<()> {
         formats.iter().map(|&f| score(Scheme::Pages(f), &mut results)).collect::<anyhow::Result<_>>()?;
     let kivi = score(Scheme::Pages(Format::Q4), &mut results)?;
     let per_token = score(Scheme::PerTokenKeysQ4, &mut results)?;
+    let adaptive = score(Scheme::Adaptive, &mut results)?;
     let mut selection_rows = Vec::new();
     let mut selected = Vec::new();
     for &format in &selection {
@@ -173,6 +175,16 @@ fn main() -> anyhow::Result<()> {
          per-token: keys per token in 32-channel groups, values as q4 (simulated in f32).\n"
     );
     println!("{}", comparison_table(&results[kivi], &results[per_token], ["KIVI", "per-token"]).render(style));
+    println!(
+        "## Adaptive precision vs uniform q4 at equal bytes\n\nAdaptive: per layer, the old pages ranked by the \
+         attention mass the kernel reported over the {ADAPTIVE_HISTORY} positions before the scored ones; the top \
+         {}% q8, the fewest lowest-mass pages q2 that bring the bytes back to uniform q4's, the rest q4. Old pages' \
+         bits per element with metadata: uniform q4 {:.3}, adaptive {:.3}.\n",
+        ADAPTIVE_Q8_SHARE * 100.0,
+        results[kivi].old_bits_per_element,
+        results[adaptive].old_bits_per_element
+    );
+    println!("{}", comparison_table(&results[kivi], &results[adaptive], ["q4", "adaptive"]).render(style));
     println!("## Page selection at a {}% page budget vs full attention\n", args.budget * 100.0);
     let rows: Vec<&Quality> = selection_rows.iter().map(|&i| &results[i]).collect();
     println!("{}", selection_table(&rows).render(style));

@@ -28,7 +28,7 @@ use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::mpsc;
 
-use kvmm_client::{AttachOptions, Client, ElementType, Geometry, Session, proto as pb};
+use kvmm_client::{AttachOptions, Client, ElementType, Geometry, Priority, Session, proto as pb};
 use kvmm_kernels::attention::reference::reference_attention_f32;
 use kvmm_shm::fdpass::{FdReply, FdRequest, SeqpacketConn};
 
@@ -340,7 +340,13 @@ fn stdin_lines() -> mpsc::Receiver<String> {
 fn run(a: &Args, forever: bool) {
     let client = Client::connect(a.socket()).unwrap_or_else(|e| die(e));
     let g = a.geometry();
-    let opts = AttachOptions { extend_batch: a.get("extend-batch", 4), ..Default::default() };
+    let priority = match a.0.get("priority").map(String::as_str) {
+        None | Some("foreground") => Priority::Foreground,
+        Some("background") => Priority::Background,
+        Some("batch") => Priority::Batch,
+        Some(other) => panic!("unknown priority {other}"),
+    };
+    let opts = AttachOptions { extend_batch: a.get("extend-batch", 4), priority, ..Default::default() };
     let session = client.attach_with(g, opts).unwrap_or_else(|e| die(e));
     let mut c = Checked {
         session,
