@@ -94,6 +94,12 @@ pub enum Scheme {
     /// scored ones (what a running daemon knows), the top [`ADAPTIVE_Q8_SHARE`] stored as q8, the
     /// fewest lowest-mass pages as q2 that bring the bytes back to uniform q4's, the rest q4.
     Adaptive,
+    /// A per-layer floor: the layers in the bit mask keep every old page at q8; the others run
+    /// [`Scheme::Adaptive`] with what is left of uniform q4's bytes over all layers.
+    Floored {
+        /// Bit `l` set: layer `l` never below q8.
+        layers: u64,
+    },
     /// The KIVI comparison at 4 bits: old keys quantized per token in groups of 32 channels
     /// ([`per_token`]), old values as in q4 (dequantized from the q4 page); simulated in `f32`,
     /// since it is not a page format (dense rows into [`reference_attention_f32`]).
@@ -108,6 +114,10 @@ impl Scheme {
             Scheme::Selected { format, fraction } => format!("{} top {}%", format.name(), fraction * 100.0),
             Scheme::PerTokenKeysQ4 => "q4 per-token keys".to_owned(),
             Scheme::Adaptive => "adaptive q8/q4/q2".to_owned(),
+            Scheme::Floored { layers } => {
+                let list: Vec<String> = (0..64).filter(|l| layers >> l & 1 == 1).map(|l| l.to_string()).collect();
+                format!("adaptive, layers {} at q8", list.join(","))
+            }
         }
     }
 
@@ -115,7 +125,7 @@ impl Scheme {
     pub fn format(&self) -> Format {
         match self {
             Scheme::Pages(format) | Scheme::Selected { format, .. } => *format,
-            Scheme::PerTokenKeysQ4 | Scheme::Adaptive => Format::Q4,
+            Scheme::PerTokenKeysQ4 | Scheme::Adaptive | Scheme::Floored { .. } => Format::Q4,
         }
     }
 }
@@ -133,11 +143,17 @@ pub const ADAPTIVE_Q8_SHARE: f64 = 0.05;
 /// rest q4. A page never gets fewer bits than one with less mass (ties by position, older first
 /// to fewer bits).
 pub fn allocate_by_mass(shape: PageShape, mass: &[f64], q8_share: f64) -> Vec<Format> {
+    let budget = mass.len() as u64 * shape.page_bytes(Format::Q4) as u64;
+    allocate_by_mass_within(shape, mass, q8_share, budget)
+}
+
+/// [`allocate_by_mass`] within `budget` bytes instead of uniform q4's (all q2 when even that does
+/// not fit).
+pub fn allocate_by_mass_within(shape: PageShape, mass: &[f64], q8_share: f64, budget: u64) -> Vec<Format> {
     let n = mass.len();
     let mut order: Vec<usize> = (0..n).collect();
     order.sort_by(|&a, &b| mass[b].total_cmp(&mass[a]).then(b.cmp(&a)));
     let bytes = |f: Format| shape.page_bytes(f) as u64;
-    let budget = n as u64 * bytes(Format::Q4);
     let mut formats = vec![Format::Q4; n];
     let mut q8 = ((q8_share * n as f64).round() as usize).min(n);
     // No more q8 pages than q2 pages can pay for.
@@ -522,7 +538,7 @@ impl<'a> Evaluation<'a> {
 
     /// The formats [`Scheme::Adaptive`] gives a layer's old pages: ranked by the mass the fused
     /// kernel reports over f16 pages for the [`ADAPTIVE_HISTORY`] positions before the scored ones.
-    fn adaptive_formats(&self, layer: usize, k: &[f32], v: &[f32]) -> Result<Vec<Format>, InferError> {
+    fn adaptive_formats(&self, layer: usize, k: &[f32], v: &[f32], budget: u64) -> Result<Vec<Format>, InferError> {
         let g = &self.geometry;
         let data = &self.trace.layers[layer];
         let pages = LayerPages::build(g, Format::F16, k, v)?;
@@ -540,7 +556,20 @@ impl<'a> Evaluation<'a> {
                 *m += f64::from(*pm);
             }
         }
-        Ok(allocate_by_mass(g.page_shape(), &mass, ADAPTIVE_Q8_SHARE))
+        Ok(allocate_by_mass_within(g.page_shape(), &mass, ADAPTIVE_Q8_SHARE, budget))
+    }
+
+    /// Bytes each layer outside the floor may spend on its old pages so that all layers together
+    /// spend uniform q4's bytes.
+    fn floored_budget(&self, floor: u64) -> u64 {
+        let g = &self.geometry;
+        let layers = self.trace.layers.len() as u64;
+        let floored = (0..layers).filter(|l| floor >> l & 1 == 1).count() as u64;
+        let page = |f: Format| g.quantized_pages as u64 * g.page_shape().page_bytes(f) as u64;
+        if floored >= layers {
+            return page(Format::Q8);
+        }
+        (layers * page(Format::Q4)).saturating_sub(floored * page(Format::Q8)) / (layers - floored)
     }
 
     /// Scores of one layer, and the bytes of its old pages.
@@ -548,8 +577,14 @@ impl<'a> Evaluation<'a> {
         let g = &self.geometry;
         let data = &self.trace.layers[layer];
         let (k, v) = (g.pad(&data.k), g.pad(&data.v));
+        let uniform_q4 = g.quantized_pages as u64 * g.page_shape().page_bytes(Format::Q4) as u64;
         let pages = match scheme {
-            Scheme::Adaptive => LayerPages::build_with(g, &self.adaptive_formats(layer, &k, &v)?, &k, &v)?,
+            Scheme::Adaptive => LayerPages::build_with(g, &self.adaptive_formats(layer, &k, &v, uniform_q4)?, &k, &v)?,
+            Scheme::Floored { layers } if layers >> layer & 1 == 1 => LayerPages::build(g, Format::Q8, &k, &v)?,
+            Scheme::Floored { layers } => {
+                let budget = self.floored_budget(layers);
+                LayerPages::build_with(g, &self.adaptive_formats(layer, &k, &v, budget)?, &k, &v)?
+            }
             _ => LayerPages::build(g, scheme.format(), &k, &v)?,
         };
         let old_bytes: u64 = pages.pages[..g.quantized_pages].iter().map(|(_, bytes, _)| bytes.len() as u64).sum();
@@ -739,6 +774,19 @@ mod tests {
         let q8 = eval.score(Scheme::Pages(Format::Q8)).unwrap();
         assert!(q8.old_bits_per_element > q4.old_bits_per_element * 1.5);
         assert!(adaptive.overall.mean_rel_error.is_finite() && adaptive.overall.min_cosine > 0.5);
+    }
+
+    #[test]
+    fn a_q8_floor_on_one_layer_is_paid_for_by_the_others() {
+        let trace = trace(4, 256, 64);
+        let eval = Evaluation::new(&trace, options()).unwrap();
+        let q4 = eval.score(Scheme::Pages(Format::Q4)).unwrap();
+        let adaptive = eval.score(Scheme::Adaptive).unwrap();
+        let floored = eval.score(Scheme::Floored { layers: 1 }).unwrap();
+        assert!(floored.old_bits_per_element <= q4.old_bits_per_element, "{}", floored.old_bits_per_element);
+        assert!(floored.old_bits_per_element > q4.old_bits_per_element * 0.97);
+        assert!(floored.layers[0].mean_rel_error < adaptive.layers[0].mean_rel_error);
+        assert!(floored.layers[1].mean_rel_error > adaptive.layers[1].mean_rel_error, "the others pay");
     }
 
     #[test]

@@ -70,6 +70,9 @@ const THRESHOLDS: [Threshold; 2] = [
     Threshold { format: Format::Q4, mean: 0.07, p99: 0.30, cosine: 0.997 },
 ];
 
+/// Layers the per-layer floor keeps at q8.
+const FLOOR_LAYERS: usize = 2;
+
 fn verdict(holds: bool) -> &'static str {
     if holds { "holds" } else { "FAILS" }
 }
@@ -185,6 +188,20 @@ fn main() -> anyhow::Result<()> {
         results[adaptive].old_bits_per_element
     );
     println!("{}", comparison_table(&results[kivi], &results[adaptive], ["q4", "adaptive"]).render(style));
+    // Per-layer sensitivity: each layer's mean error with every old page at q2.
+    let q2 = score(Scheme::Pages(Format::Q2), &mut results)?;
+    let mut sensitive: Vec<usize> = (0..results[q2].layers.len()).collect();
+    sensitive.sort_by(|&a, &b| results[q2].layers[b].mean_rel_error.total_cmp(&results[q2].layers[a].mean_rel_error));
+    let floor = sensitive.iter().take(FLOOR_LAYERS).fold(0u64, |m, &l| m | 1 << l);
+    let floored = score(Scheme::Floored { layers: floor }, &mut results)?;
+    println!(
+        "## A per-layer floor from measured sensitivity, at equal bytes\n\nThe {FLOOR_LAYERS} layers with the largest \
+         mean error at q2 ({}) keep every old page at q8; the other layers run the adaptive allocation with the \
+         bytes left, so all layers together spend uniform q4's. Bits per element: {:.3}.\n",
+        results[floored].scheme.label(),
+        results[floored].old_bits_per_element
+    );
+    println!("{}", comparison_table(&results[kivi], &results[floored], ["q4", "floored"]).render(style));
     println!("## Page selection at a {}% page budget vs full attention\n", args.budget * 100.0);
     let rows: Vec<&Quality> = selection_rows.iter().map(|&i| &results[i]).collect();
     println!("{}", selection_table(&rows).render(style));
