@@ -25,7 +25,7 @@
 //! first, then background, then foreground, and within a class by the attention mass the client's
 //! kernels record (least first), older blocks first.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -142,6 +142,26 @@ fn pick(core: &Core, from: VictimTier, bytes: u64, protect: &HashSet<PageRef>, s
     out
 }
 
+/// Tokens at the end of a layer whose pages keep the client's precision when demoted (the recent
+/// window the next queries attend to most).
+pub const RECENT_WINDOW_TOKENS: u64 = 128;
+
+/// Whether block `block` of a layer holding `tokens` tokens keeps its precision when demoted: the
+/// sink page (block 0, which draws attention from every query) and every page with a token in the
+/// last [`RECENT_WINDOW_TOKENS`].
+pub fn keeps_precision(block: u32, block_tokens: u32, tokens: u64) -> bool {
+    block == 0 || (u64::from(block) + 1) * u64::from(block_tokens) + RECENT_WINDOW_TOKENS > tokens
+}
+
+/// Tokens the client has written to `layer` (its allocated blocks' token counts).
+fn tokens_in_layer(s: &Session, layer: u32) -> u64 {
+    let bt = s.geometry.block_tokens;
+    (0..s.pages.allocated_blocks())
+        .filter_map(|b| s.region.entry(layer, b).ok())
+        .map(|e| u64::from(e.tokens_clamped(bt)))
+        .sum()
+}
+
 /// Moves `pages` from the device to the DRAM pool (module doc); returns how many moved. Stops at
 /// the first page the pool has no room for.
 pub fn demote_to_dram(
@@ -153,6 +173,7 @@ pub fn demote_to_dram(
     let Core { pool, sessions, dram, tier_counters, .. } = core;
     let Some(dram) = dram.as_mut() else { return Ok(0) };
     let mut moved = 0;
+    let mut layer_tokens: HashMap<(u64, u32), u64> = HashMap::new();
     for &r in pages {
         let Some(s) = sessions.get_mut_unchecked(r.session) else { continue };
         let Some(page) = s.pages.page(r.layer, r.block) else { continue };
@@ -160,8 +181,22 @@ pub fn demote_to_dram(
         let g = s.geometry;
         let shape = g.page_shape();
         let tokens = s.region.entry(r.layer, r.block)?.tokens_clamped(g.block_tokens);
+        let written = match layer_tokens.get(&(r.session, r.layer)) {
+            Some(&n) => n,
+            None => {
+                let n = tokens_in_layer(s, r.layer);
+                layer_tokens.insert((r.session, r.layer), n);
+                n
+            }
+        };
         let target = match format {
-            Some(f) if !page.format.is_quantized() && tokens == g.block_tokens => f,
+            Some(f)
+                if !page.format.is_quantized()
+                    && tokens == g.block_tokens
+                    && !keeps_precision(r.block, g.block_tokens, written) =>
+            {
+                f
+            }
             _ => page.format,
         };
         let entry = s.table.entry_writer(r.layer, r.block)?;
@@ -549,4 +584,23 @@ pub fn spill_dram(core: &mut Core, flash: &Mutex<FlashFile>, bytes: u64, protect
 
 fn footprint(core: &Core, r: PageRef) -> Option<u64> {
     core.sessions.get_unchecked(r.session)?.pages.page(r.layer, r.block).map(|p| p.place.footprint())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sink_page_and_the_recent_window_keep_their_precision() {
+        // 300 tokens in 32-token pages: blocks 0..=8 full, block 9 holds 12. The last 128 tokens
+        // (172..300) touch blocks 5..=9.
+        let keeps: Vec<u32> = (0..10).filter(|&b| keeps_precision(b, 32, 300)).collect();
+        assert_eq!(keeps, vec![0, 5, 6, 7, 8, 9]);
+        // A layer exactly 128 tokens past a page boundary: that page is outside the window.
+        assert!(!keeps_precision(3, 32, 256) && keeps_precision(4, 32, 256));
+        // Short layers keep everything.
+        assert!((0..4).all(|b| keeps_precision(b, 32, 128)));
+        // Long ones compress nearly everything.
+        assert_eq!((0..2048).filter(|&b| !keeps_precision(b, 16, 32_768)).count(), 2048 - 1 - 8);
+    }
 }
