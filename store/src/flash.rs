@@ -293,8 +293,8 @@ impl FlashFile {
                 }
                 sealed_pages.extend(seal_every_nth(0, sealed));
             });
-            sealed_pages.extend(written_into(helped));
-            for (k, outcome) in written_into(written) {
+            sealed_pages.extend(gathered(helped));
+            for (k, outcome) in gathered(written) {
                 outcomes[k] = Some(outcome);
             }
         }
@@ -509,7 +509,7 @@ impl FlashFile {
                 });
                 opened.extend(open_all());
             });
-            opened.extend(written_into(helped));
+            opened.extend(gathered(helped));
         }
         for (pages, stats) in opened {
             for (i, r) in pages {
@@ -579,7 +579,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// What the pool's jobs of a call gathered, once the call's scope has ended.
-fn written_into<T>(m: Mutex<Vec<T>>) -> Vec<T> {
+fn gathered<T>(m: Mutex<Vec<T>>) -> Vec<T> {
     m.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 

@@ -67,6 +67,17 @@ fn wait_mode(daemon: &Daemon, want: &str) -> (StatusResponse, Duration) {
     (s, took)
 }
 
+/// A client of 2 layers × 300 tokens whose 18 full pages the admin `Demote` sends to DRAM, then
+/// one checked round of attention over them; returns the client and the formats it read.
+fn demoted_client(daemon: &Daemon, seed: &str) -> (kvmm_tests::Worker, String) {
+    let mut c = spawn_client("run", daemon, &["--layers", "2", "--tokens", "300", "--seed", seed]);
+    let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
+    assert_eq!(daemon.demote(session, Tier::Dram).demoted, 18);
+    c.send("check 1");
+    let seen = fields(&c.expect_line("checked"))["formats_seen"].clone();
+    (c, seen)
+}
+
 #[test]
 fn a_battery_discharging_at_15_percent_enters_powersave_within_2_s_and_demotes_as_q4() {
     let host = FakeHost::laptop();
@@ -91,12 +102,8 @@ fn a_battery_discharging_at_15_percent_enters_powersave_within_2_s_and_demotes_a
     assert!(p.pressure_watch.contains("not procfs"), "a fake tree is polled: {}", p.pressure_watch);
 
     // On mains: pages leave the device as the configured q8.
-    let mut before = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "3"]);
-    let first: u64 = fields(&before.expect_line("appended"))["session"].parse().unwrap();
-    assert_eq!(daemon.demote(first, Tier::Dram).demoted, 18);
-    before.send("check 1");
-    let f = fields(&before.expect_line("checked"));
-    assert!(f["formats_seen"].contains("q8:") && !f["formats_seen"].contains("q4:"), "{f:?}");
+    let (before, seen) = demoted_client(&daemon, "3");
+    assert!(seen.contains("q8:") && !seen.contains("q4:"), "{seen}");
 
     // Unplugged, discharging at 15%.
     host.write("sys/class/power_supply/AC/online", "0");
@@ -111,12 +118,8 @@ fn a_battery_discharging_at_15_percent_enters_powersave_within_2_s_and_demotes_a
 
     // The next demotion uses the powersave ladder: q4, and the client's checks (against its own
     // K/V through the same quantizer) still hold.
-    let mut after = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "4"]);
-    let second: u64 = fields(&after.expect_line("appended"))["session"].parse().unwrap();
-    assert_eq!(daemon.demote(second, Tier::Dram).demoted, 18);
-    after.send("check 1");
-    let f = fields(&after.expect_line("checked"));
-    assert!(f["formats_seen"].contains("q4:") && !f["formats_seen"].contains("q8:"), "{f:?}");
+    let (after, seen) = demoted_client(&daemon, "4");
+    assert!(seen.contains("q4:") && !seen.contains("q8:"), "{seen}");
 
     // Plugged in again: back to performance.
     host.write("sys/class/power_supply/AC/online", "1");

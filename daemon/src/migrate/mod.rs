@@ -128,18 +128,22 @@ pub fn tier_task(daemon: Arc<Daemon>) {
             let allowed = background.available(now).min(flash_writes.available(now));
             if let Some(bytes) = over.filter(|_| allowed > 0) {
                 let victims = tiering::pick_victims(&core, tiering::VictimTier::Dram, bytes.min(allowed), &none);
-                let before = core.dram.as_ref().map_or(0, |d| kvmm_store::tier::Tier::stats(d).used);
+                let before = dram_used(&core);
                 if let Err(e) = tiering::move_to_flash(&mut core, flash, &victims) {
                     tracing::warn!(error = %e, "background demotion to flash failed");
                 }
-                let moved =
-                    before.saturating_sub(core.dram.as_ref().map_or(0, |d| kvmm_store::tier::Tier::stats(d).used));
+                let moved = before.saturating_sub(dram_used(&core));
                 background.spend(moved);
                 flash_writes.spend(moved);
                 core.tier_counters.background_bytes += moved;
             }
         }
     }
+}
+
+/// Bytes in the DRAM pool (0 without one).
+fn dram_used(core: &crate::daemon::Core) -> u64 {
+    core.dram.as_ref().map_or(0, |d| kvmm_store::tier::Tier::stats(d).used)
 }
 
 /// How often free memory is given back while the budgets are shrunk.

@@ -153,15 +153,6 @@ pub fn keeps_precision(block: u32, block_tokens: u32, tokens: u64) -> bool {
     block == 0 || (u64::from(block) + 1) * u64::from(block_tokens) + RECENT_WINDOW_TOKENS > tokens
 }
 
-/// Tokens the client has written to `layer` (its allocated blocks' token counts).
-fn tokens_in_layer(s: &Session, layer: u32) -> u64 {
-    let bt = s.geometry.block_tokens;
-    (0..s.pages.allocated_blocks())
-        .filter_map(|b| s.region.entry(layer, b).ok())
-        .map(|e| u64::from(e.tokens_clamped(bt)))
-        .sum()
-}
-
 /// Moves `pages` from the device to the DRAM pool (module doc); returns how many moved. Stops at
 /// the first page the pool has no room for.
 pub fn demote_to_dram(
@@ -181,14 +172,7 @@ pub fn demote_to_dram(
         let g = s.geometry;
         let shape = g.page_shape();
         let tokens = s.region.entry(r.layer, r.block)?.tokens_clamped(g.block_tokens);
-        let written = match layer_tokens.get(&(r.session, r.layer)) {
-            Some(&n) => n,
-            None => {
-                let n = tokens_in_layer(s, r.layer);
-                layer_tokens.insert((r.session, r.layer), n);
-                n
-            }
-        };
+        let written = *layer_tokens.entry((r.session, r.layer)).or_insert_with(|| s.layer_tokens(r.layer));
         let target = match format {
             Some(f)
                 if !page.format.is_quantized()

@@ -22,7 +22,7 @@ use std::fmt;
 
 use kvmm_kernels::Format;
 
-use super::sensors::{BatteryStatus, Signals, TripKind};
+use super::sensors::{BatteryStatus, Signals};
 
 /// The daemon's operating mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -282,12 +282,11 @@ impl Planner {
     /// staying needs one within the hysteresis below it.
     fn thermal(&self, s: &Signals) -> Option<String> {
         let staying = self.mode == Mode::Thermal;
-        let has_trip = |z: &&super::sensors::ThermalZone| z.trips.iter().any(|t| t.kind == TripKind::Passive);
-        if staying && !s.thermal.iter().any(|z| has_trip(&z)) {
+        if staying && s.thermal.iter().all(|z| z.passive_trip().is_none()) {
             return Some("no thermal zone with a passive trip point could be read".to_owned());
         }
         s.thermal.iter().find_map(|zone| {
-            let trip = zone.trips.iter().filter(|t| t.kind == TripKind::Passive).map(|t| t.temp_mc).min()?;
+            let trip = zone.passive_trip()?;
             let holds =
                 if staying { zone.temp_mc > trip - self.policy.thermal_hysteresis_mc } else { zone.temp_mc >= trip };
             holds.then(|| {

@@ -101,6 +101,13 @@ pub struct ThermalZone {
     pub trips: Vec<TripPoint>,
 }
 
+impl ThermalZone {
+    /// The lowest passive trip point, millidegrees Celsius: where the kernel starts throttling.
+    pub fn passive_trip(&self) -> Option<i64> {
+        self.trips.iter().filter(|t| t.kind == TripKind::Passive).map(|t| t.temp_mc).min()
+    }
+}
+
 /// A trip point of a thermal zone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TripPoint {

@@ -12,7 +12,7 @@ use crate::daemon::Daemon;
 use crate::error::Error;
 use crate::policy::live::PolicyView;
 use crate::policy::mode::Pressure;
-use crate::policy::sensors::{BatteryStatus, TripKind};
+use crate::policy::sensors::BatteryStatus;
 use crate::pool::DEVICE_TIER;
 
 /// The admin service.
@@ -206,7 +206,7 @@ fn policy_status(v: &PolicyView) -> pb::PolicyStatus {
             .thermal
             .iter()
             .map(|z| {
-                let passive = z.trips.iter().filter(|t| t.kind == TripKind::Passive).map(|t| t.temp_mc).min();
+                let passive = z.passive_trip();
                 pb::ThermalReading {
                     zone: z.name.clone(),
                     kind: z.kind.clone(),

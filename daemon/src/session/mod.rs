@@ -111,15 +111,15 @@ impl Session {
     /// Tokens the client has published, taken as the minimum over layers (a layer is only complete
     /// up to its own count). Client-written values are clamped to the page size.
     pub fn tokens(&self) -> u64 {
+        (0..self.geometry.layers).map(|layer| self.layer_tokens(layer)).min().unwrap_or(0)
+    }
+
+    /// Tokens the client has published in `layer`: its allocated blocks' counts, each clamped to
+    /// the page size.
+    pub fn layer_tokens(&self, layer: u32) -> u64 {
         let bt = self.geometry.block_tokens;
-        let blocks = self.pages.allocated_blocks();
-        (0..self.geometry.layers)
-            .map(|layer| {
-                (0..blocks)
-                    .map(|b| self.region.entry(layer, b).map_or(0, |e| u64::from(e.tokens_clamped(bt))))
-                    .sum::<u64>()
-            })
-            .min()
-            .unwrap_or(0)
+        (0..self.pages.allocated_blocks())
+            .map(|b| self.region.entry(layer, b).map_or(0, |e| u64::from(e.tokens_clamped(bt))))
+            .sum()
     }
 }

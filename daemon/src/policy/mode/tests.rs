@@ -1,5 +1,5 @@
 use super::*;
-use crate::policy::sensors::{Battery, Memory, Power, ThermalZone, TripPoint};
+use crate::policy::sensors::{Battery, Memory, Power, ThermalZone, TripKind, TripPoint};
 
 /// A reading: one zone with a passive trip at 95 °C and a critical one at 105 °C, the given power
 /// state and PSI `some avg10`.
