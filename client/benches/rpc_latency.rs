@@ -64,7 +64,7 @@ fn main() {
             .block_on(rpc.attach(pb::AttachRequest {
                 geometry: Some(kvmm_client::session::geometry_to_pb(&smollm2)),
                 model_id: "bench".into(),
-                priority: 0,
+                ..Default::default()
             }))
             .unwrap()
             .into_inner();

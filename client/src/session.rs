@@ -19,7 +19,9 @@ use kvmm_kernels::{Format, PageShape};
 use kvmm_proto::v1 as pb;
 use kvmm_shm::fdpass::{FdRequest, ReceivedReply, SeqpacketConn};
 use kvmm_shm::protocol;
-use kvmm_shm::{Access, ClientEntry, ClientRegion, Geometry, Mapping, PageLocation, PinOutcome, Seals, SessionTable};
+use kvmm_shm::{
+    Access, ClientEntry, ClientRegion, Geometry, Mapping, PageFlags, PageLocation, PinOutcome, Seals, SessionTable,
+};
 
 use crate::Inner;
 use crate::error::{Error, Result};
@@ -56,11 +58,24 @@ pub struct AttachOptions {
     pub priority: Priority,
     /// Blocks per layer requested by each `Extend` (at least the blocks needed).
     pub extend_batch: u32,
+    /// The most tokens per layer the session may hold in kvmm (rounded down to whole pages); 0: no
+    /// quota. Past it, appending fails with `RESOURCE_EXHAUSTED` unless `evict` is set.
+    pub quota_tokens: u32,
+    /// Opt-in lossy eviction (needs `quota_tokens`): past the quota the daemon drops the pages with
+    /// the least accumulated attention mass, never the first page or the last 128 tokens, and
+    /// attention skips what was dropped ([`Session::dropped_blocks`]).
+    pub evict: bool,
 }
 
 impl Default for AttachOptions {
     fn default() -> Self {
-        AttachOptions { model_id: String::new(), priority: Priority::Foreground, extend_batch: DEFAULT_EXTEND_BATCH }
+        AttachOptions {
+            model_id: String::new(),
+            priority: Priority::Foreground,
+            extend_batch: DEFAULT_EXTEND_BATCH,
+            quota_tokens: 0,
+            evict: false,
+        }
     }
 }
 
@@ -87,6 +102,9 @@ pub struct SessionStats {
     pub fault_hits: u64,
     pub promoted_from_dram: u64,
     pub promoted_from_flash: u64,
+    /// The quota in force in tokens per layer (0: none), and pages dropped by eviction so far.
+    pub quota_tokens: u32,
+    pub dropped_pages: u64,
 }
 
 /// One attached session. Dropping it detaches (the daemon wipes its pages).
@@ -115,8 +133,8 @@ pub struct Session {
     attn: Option<DecodeAttention>,
     /// Per-page attention mass of the last `attention` call.
     mass: Vec<f32>,
-    /// The format each page was read in by the last `attention` call.
-    formats: Vec<Format>,
+    /// The format each page was read in by the last `attention` call; `None` for dropped pages.
+    formats: Vec<Option<Format>>,
     /// Most pages one `attention` call reads (query-aware selection); `None` reads every page.
     page_budget: Option<usize>,
     detached: bool,
@@ -125,6 +143,8 @@ pub struct Session {
 /// Unpins a set of pages when dropped, so an error never leaves a page pinned.
 struct Pins<'a> {
     entries: Vec<&'a ClientEntry>,
+    /// Blocks found dropped by eviction (not pinned; readers skip them), ascending.
+    dropped: Vec<u32>,
 }
 
 impl Drop for Pins<'_> {
@@ -146,6 +166,8 @@ impl Session {
                 Priority::Background => pb::Priority::Background,
                 Priority::Batch => pb::Priority::Batch,
             } as i32,
+            quota_tokens: options.quota_tokens,
+            evict: options.evict,
         };
         let mut rpc = inner.rpc.clone();
         let granted = inner.runtime.block_on(rpc.attach(request))?.into_inner();
@@ -278,9 +300,15 @@ impl Session {
     }
 
     /// The format each page was in when the last `attention` call read it (pages change format when
-    /// the daemon recompresses them).
-    pub fn last_formats(&self) -> &[Format] {
+    /// the daemon recompresses them); `None` for pages eviction dropped.
+    pub fn last_formats(&self) -> &[Option<Format>] {
         &self.formats
+    }
+
+    /// The blocks of `layer` that eviction dropped (see [`AttachOptions::evict`]), ascending.
+    pub fn dropped_blocks(&self, layer: u32) -> Result<Vec<u32>> {
+        self.check_layer(layer)?;
+        Ok((0..self.allocated_blocks).filter(|&b| self.is_dropped(layer, b)).collect())
     }
 
     fn check_layer(&self, layer: u32) -> Result<()> {
@@ -392,6 +420,9 @@ impl Session {
         self.formats = formats;
         result?;
         for (block, &m) in self.mass.iter().enumerate() {
+            if self.formats[block].is_none() {
+                continue;
+            }
             let e = self.region.entry(layer, block as u32)?;
             e.set_importance((1.0 - IMPORTANCE_EMA) * e.importance() + IMPORTANCE_EMA * m);
         }
@@ -409,23 +440,31 @@ impl Session {
         attn: &mut DecodeAttention,
         out: &mut [f32],
         mass: &mut [f32],
-        formats: &mut Vec<Format>,
+        formats: &mut Vec<Option<Format>>,
     ) -> Result<()> {
         let bt = self.geometry.block_tokens;
-        let _pins = self.pin_layer(layer, pages)?;
+        let pins = self.pin_layer(layer, pages)?;
+        // The pages read, in block order, and the block of each: dropped pages are skipped.
         let mut views = Vec::with_capacity(pages as usize);
+        let mut blocks = Vec::with_capacity(pages as usize);
+        let mut dropped = pins.dropped.iter().peekable();
         for block in 0..pages {
+            if dropped.next_if_eq(&&block).is_some() {
+                formats.push(None);
+                continue;
+            }
             let loc = self.table.entry(layer, block)?.location();
             let (offset, len) = self.checked(loc)?;
             let format = Format::from_u8(loc.format)
                 .ok_or_else(|| Error::Protocol(format!("page ({layer}, {block}) has unknown format {}", loc.format)))?;
-            // SAFETY: every page of the layer is pinned (`_pins` lives until this function returns,
-            // after the last use of `bytes`), so no frame is moved or freed while it is read; this
-            // thread is the session's only writer and does not write during the call.
+            // SAFETY: every page of the layer that was not dropped is pinned (`pins` lives until this
+            // function returns, after the last use of `bytes`), so no frame is moved or freed while it
+            // is read; this thread is the session's only writer and does not write during the call.
             let bytes = unsafe { self.arena.bytes(offset, len)? };
             let filled = if block + 1 == pages { tokens - block * bt } else { bt };
-            formats.push(format);
+            formats.push(Some(format));
             views.push(PageView { bytes, format, tokens: filled as usize });
+            blocks.push(block as usize);
         }
         let selected: Vec<usize> = match self.page_budget {
             Some(budget) if budget < views.len() => {
@@ -440,16 +479,17 @@ impl Session {
                 None => attn.page(views[p])?,
             }
         }
-        if selected.len() == views.len() {
+        if selected.len() == pages as usize {
             attn.write_output(out, mass)?;
         } else {
             let mut read = vec![0f32; selected.len()];
             attn.write_output(out, &mut read)?;
             mass.fill(0.0);
             for (&p, &m) in selected.iter().zip(&read) {
-                mass[p] = m;
+                mass[blocks[p]] = m;
             }
         }
+        drop(pins);
         Ok(())
     }
 
@@ -473,6 +513,8 @@ impl Session {
             fault_hits: s.fault_hits,
             promoted_from_dram: s.promoted_from_dram,
             promoted_from_flash: s.promoted_from_flash,
+            quota_tokens: s.quota_tokens,
+            dropped_pages: s.dropped_pages,
         })
     }
 
@@ -538,7 +580,14 @@ impl Session {
         let mut faults = 0;
         for attempt in 0..MAX_PIN_ATTEMPTS {
             match client.pin(page) {
-                PinOutcome::Pinned { .. } => return Ok((page.location(), Pins { entries: vec![client] })),
+                PinOutcome::Pinned { .. } => {
+                    return Ok((page.location(), Pins { entries: vec![client], dropped: Vec::new() }));
+                }
+                PinOutcome::Dropped => {
+                    return Err(Error::FailedPrecondition(format!(
+                        "page ({layer}, {block}) was dropped by eviction and cannot be read or written"
+                    )));
+                }
                 PinOutcome::Migrating => backoff(attempt),
                 PinOutcome::NotResident if faults < MAX_FAULTS_PER_PAGE => {
                     self.fault(layer, &[block])?;
@@ -590,13 +639,14 @@ impl Session {
                 c.pin_announce();
             }
             protocol::pin_fence();
-            let mut pins = Pins { entries: Vec::with_capacity(n) };
+            let mut pins = Pins { entries: Vec::with_capacity(n), dropped: Vec::new() };
             let (mut retry, mut missing) = (Vec::new(), Vec::new());
             for (block, (page, client)) in table.iter().zip(region).enumerate() {
                 match client.pin_check(page) {
                     PinOutcome::Pinned { .. } => pins.entries.push(client),
                     PinOutcome::Migrating => retry.push(block as u32),
                     PinOutcome::NotResident => missing.push(block as u32),
+                    PinOutcome::Dropped => pins.dropped.push(block as u32),
                 }
             }
             // Pages the daemon demoted come back with one Fault for all of them. The pins taken so
@@ -608,12 +658,25 @@ impl Session {
                 continue;
             }
             for block in retry.into_iter().chain(missing) {
-                let (_, mut single) = self.pin(layer, block)?;
-                pins.entries.append(&mut single.entries);
+                match self.pin(layer, block) {
+                    Ok((_, mut single)) => pins.entries.append(&mut single.entries),
+                    // Dropped between the two looks (eviction runs only in this session's own
+                    // Extend, so this is rare): skip it like the others.
+                    Err(_) if self.is_dropped(layer, block) => pins.dropped.push(block),
+                    Err(e) => return Err(e),
+                }
             }
+            pins.dropped.sort_unstable();
             return Ok(pins);
         }
         Err(Error::Exhausted(format!("the pages of layer {layer} could not all be made resident at once")))
+    }
+
+    /// Whether the daemon marked a page dropped.
+    fn is_dropped(&self, layer: u32, block: u32) -> bool {
+        self.table
+            .entry(layer, block)
+            .is_ok_and(|e| e.load_state(std::sync::atomic::Ordering::Acquire).1.contains(PageFlags::DROPPED))
     }
 
     /// Checks a location from the shared table against this session's page format and the arena.

@@ -29,7 +29,7 @@ use crate::policy::mode::Tuning;
 use crate::pool::Pool;
 use crate::server::conn::{ConnId, ConnInfo};
 use crate::session::page_table::Place;
-use crate::session::{Counters, Owner, PageTable, Priority, Registry, Session};
+use crate::session::{Counters, Owner, PageTable, Priority, Quota, Registry, Session};
 
 /// The most pages one session may address (its table then takes 32 MiB); bounds what one attach costs.
 pub const MAX_PAGES_PER_SESSION: u64 = 1 << 20;
@@ -85,6 +85,19 @@ pub struct Daemon {
     pub policy: Mutex<LivePolicy>,
 }
 
+/// What a client asks for its session besides the geometry.
+#[derive(Clone, Debug, Default)]
+pub struct SessionOptions {
+    /// Free-text model id, for stats.
+    pub model_id: String,
+    /// Scheduling class.
+    pub priority: Priority,
+    /// The most tokens per layer the session may hold (rounded down to whole pages); 0: no quota.
+    pub quota_tokens: u32,
+    /// Opt-in lossy eviction over the quota.
+    pub evict: bool,
+}
+
 /// What `Attach` returns.
 #[derive(Debug)]
 pub struct AttachGrant {
@@ -124,6 +137,8 @@ pub struct Residency {
     pub resident: bool,
     /// Generation of the page's table entry.
     pub generation: u32,
+    /// Whether the page was dropped by opt-in eviction (it will never be resident again).
+    pub dropped: bool,
 }
 
 /// Per-session statistics.
@@ -137,6 +152,10 @@ pub struct SessionStats {
     pub model_id: String,
     /// Priority.
     pub priority: Priority,
+    /// Quota and eviction.
+    pub quota: Quota,
+    /// Pages dropped by eviction.
+    pub dropped_pages: u64,
     /// Blocks allocated per layer.
     pub allocated_blocks: u32,
     /// Tokens published by the client (minimum over layers).
@@ -289,15 +308,11 @@ impl Daemon {
     }
 
     /// Creates a session for the caller.
-    pub fn attach(
-        &self,
-        caller: ConnInfo,
-        geometry: Geometry,
-        model_id: String,
-        priority: Priority,
-    ) -> Result<AttachGrant> {
+    pub fn attach(&self, caller: ConnInfo, geometry: Geometry, options: SessionOptions) -> Result<AttachGrant> {
         self.admit()?;
         geometry.validate()?;
+        let SessionOptions { model_id, priority, quota_tokens, evict } = options;
+        let quota = quota_from(&geometry, quota_tokens, evict)?;
         if model_id.len() > MAX_MODEL_ID_BYTES {
             return Err(Error::InvalidArgument(format!(
                 "model_id is {} bytes; at most {MAX_MODEL_ID_BYTES} are accepted",
@@ -340,6 +355,7 @@ impl Daemon {
             geometry,
             model_id,
             priority,
+            quota,
             table,
             table_memfd,
             region,
@@ -378,6 +394,9 @@ impl Daemon {
                 count: u64::from(blocks) * u64::from(s.geometry.layers),
             }
         };
+        // Under its quota first: a session that opted into eviction drops its least-attended pages
+        // (which also gives their room back), any other is refused.
+        crate::migrate::evict::fit_quota(&mut core, self.flash.as_ref(), session_id, blocks)?;
         if self.config.tiers.any() && !core.pool.fits(caller.uid, room.frame_len, room.count) {
             // Make room below rather than refuse: demote the coldest pages of any session.
             let format = self.tuning().demote_format;
@@ -479,6 +498,8 @@ impl Daemon {
             geometry: s.geometry,
             model_id: s.model_id.clone(),
             priority: s.priority,
+            quota: s.quota,
+            dropped_pages: s.pages.dropped(),
             allocated_blocks: s.pages.allocated_blocks(),
             tokens: s.tokens(),
             device_bytes: s.pages.bytes(),
@@ -526,9 +547,11 @@ impl Daemon {
                     block,
                     resident: flags.contains(kvmm_shm::PageFlags::RESIDENT),
                     generation,
+                    dropped: flags.contains(kvmm_shm::PageFlags::DROPPED),
                 });
             }
-            let Some(r) = out.iter().find(|r| !r.resident) else { return Ok(out) };
+            // A dropped page is settled: it is gone, and the client skips it.
+            let Some(r) = out.iter().find(|r| !r.resident && !r.dropped) else { return Ok(out) };
             if attempt >= FAULT_ATTEMPTS {
                 let need = s.pages.page(r.layer, r.block).map_or(0, |p| p.place.footprint());
                 return Err(Error::Exhausted {
@@ -748,6 +771,30 @@ impl Daemon {
             pages_flash: core.sessions.iter().map(|s| s.pages.count_in(TierKind::Flash)).sum(),
         }
     }
+}
+
+/// The quota a client asked for, checked: eviction needs a quota, and a quota must hold the pages
+/// eviction always keeps.
+fn quota_from(geometry: &Geometry, quota_tokens: u32, evict: bool) -> Result<Quota> {
+    if quota_tokens == 0 {
+        if evict {
+            return Err(Error::InvalidArgument(
+                "eviction drops pages only over a quota: set quota_tokens as well as evict".to_owned(),
+            ));
+        }
+        return Ok(Quota::default());
+    }
+    let bt = geometry.block_tokens;
+    let least = crate::migrate::evict::min_quota_pages(bt);
+    if quota_tokens / bt < least {
+        return Err(Error::InvalidArgument(format!(
+            "quota_tokens {quota_tokens} is too small: at {bt} tokens per page a session needs at least {} \
+             (the first page, the last {} tokens and the page being written)",
+            least * bt,
+            crate::migrate::tiering::RECENT_WINDOW_TOKENS
+        )));
+    }
+    Ok(Quota { pages_per_layer: Some(quota_tokens / bt), evict })
 }
 
 /// Checks that a page is inside the geometry and allocated.

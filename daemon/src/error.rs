@@ -66,6 +66,35 @@ pub enum Error {
         /// The tier's whole budget.
         budget: u64,
     },
+    /// `Extend` would take a session past its quota and the session did not opt into eviction.
+    #[error(
+        "session {session} would hold {tokens} tokens per layer, over its quota of {quota}; {}",
+        if *evict { "ask for fewer blocks" } else { "attach with eviction to drop its least-attended pages instead, or with a larger quota" }
+    )]
+    OverQuota {
+        /// The session.
+        session: u64,
+        /// Tokens per layer the request would make it hold.
+        tokens: u64,
+        /// Its quota, in tokens per layer.
+        quota: u64,
+        /// Whether it opted into eviction.
+        evict: bool,
+    },
+    /// A session that opted into eviction is at its quota and none of its pages may be dropped.
+    #[error(
+        "session {session} is at its quota of {quota} tokens per layer and has no page it may drop: the first \
+         page, the pages of the last {window} tokens, pages not yet full and pages in use are kept; append to \
+         every layer before extending, or attach with a larger quota"
+    )]
+    NothingToDrop {
+        /// The session.
+        session: u64,
+        /// Its quota, in tokens per layer.
+        quota: u64,
+        /// The recent window kept, in tokens.
+        window: u64,
+    },
     /// The request does not fit the object's current state.
     #[error("{0}")]
     FailedPrecondition(String),
@@ -101,7 +130,9 @@ impl Error {
             Error::Geometry(_) | Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
             Error::UnknownSession(_) => ErrorKind::NotFound,
             Error::ForeignSession { .. } | Error::PermissionDenied(_) => ErrorKind::PermissionDenied,
-            Error::Exhausted { .. } => ErrorKind::ResourceExhausted,
+            Error::Exhausted { .. } | Error::OverQuota { .. } | Error::NothingToDrop { .. } => {
+                ErrorKind::ResourceExhausted
+            }
             Error::FailedPrecondition(_) => ErrorKind::FailedPrecondition,
             Error::ShuttingDown | Error::Busy(_) => ErrorKind::Unavailable,
             Error::Shm(_) | Error::Kernel(_) | Error::Io { .. } => ErrorKind::Internal,

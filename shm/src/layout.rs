@@ -8,7 +8,7 @@
 //!  session table (daemon writes; sealed SHRINK | GROW | FUTURE_WRITE | SEAL, clients map it read-only)
 //!
 //!  byte 0   +-------------------------------- TableHeader, 128 B --------------------------------+
-//!           |  0 magic u64 "KVMMTABL"      |  8 abi_version u32 = 1  | 12 header_bytes u32 = 128  |
+//!           |  0 magic u64 "KVMMTABL"      |  8 abi_version u32 = 2  | 12 header_bytes u32 = 128  |
 //!           | 16 session_id u64            | 24 layers u32           | 28 blocks_per_layer u32    |
 //!           | 32 kv_heads u32              | 36 q_heads u32          | 40 head_dim u32            |
 //!           | 44 block_tokens u32          | 48 element_type u32     | 52 entry_bytes u32 = 32    |
@@ -16,7 +16,8 @@
 //!           | 64 max_tokens u32            | 68 status u32 (atomic: 0 open, 1 wiped, 2 closed)    |
 //!           | 72..128 reserved (0)                                                               |
 //!  byte 128 +----------------------------- DaemonEntry, 32 B each ------------------------------+
-//!           |  0 state u64 (atomic) = generation << 32 | flags (ALLOCATED 1, RESIDENT 2, MIGRATING 4)|
+//!           |  0 state u64 (atomic) = generation << 32 | flags (ALLOCATED 1, RESIDENT 2, MIGRATING 4,|
+//!           |    DROPPED 8)                                                                       |
 //!           |  8 offset u64 (atomic): byte offset of the frame in the arena                       |
 //!           | 16 len u32 (atomic): bytes of the page in its format                                |
 //!           | 20 format_tier u32 (atomic): format code (bits 0..8) | tier << 8 (1 = device)        |
@@ -26,7 +27,7 @@
 //!  client region (client writes; sealed SHRINK | GROW | SEAL, mapped read-write by both)
 //!
 //!  byte 0   +------------------------------- header, 64 B -------------------------------------+
-//!           |  0 magic u64 "KVMMCLNT"      |  8 abi_version u32 = 1  | 12 header_bytes u32 = 64   |
+//!           |  0 magic u64 "KVMMCLNT"      |  8 abi_version u32 = 2  | 12 header_bytes u32 = 64   |
 //!           | 16 entry_bytes u32 = 16      | 20 layers u32           | 24 blocks_per_layer u32    |
 //!           | 28..64 reserved (0)                                                                |
 //!  byte 64  +----------------------------- ClientEntry, 16 B each ------------------------------+
@@ -62,7 +63,7 @@ use crate::state::{PageFlags, unpack_state};
 const _: () = assert!(cfg!(target_endian = "little"), "the kvmm shared-memory ABI is little-endian");
 
 /// Version of everything in this file; bumped on any change.
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 /// `magic` of a session table: `"KVMMTABL"` read as a little-endian u64.
 pub const TABLE_MAGIC: u64 = u64::from_le_bytes(*b"KVMMTABL");
 /// `magic` of a client region: `"KVMMCLNT"` read as a little-endian u64.

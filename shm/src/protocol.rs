@@ -83,6 +83,8 @@ pub enum PinOutcome {
     Migrating,
     /// The page is not in the device tier (or does not exist); the pin was undone. Fault it in.
     NotResident,
+    /// The page was dropped by opt-in eviction; the pin was undone. Skip it: it is gone for good.
+    Dropped,
 }
 
 impl PinOutcome {
@@ -113,6 +115,9 @@ pub fn pin_check(pins: &AtomicU32, state: &AtomicU64) -> PinOutcome {
     if flags.contains(PageFlags::MIGRATING) {
         unpin(pins);
         PinOutcome::Migrating
+    } else if flags.contains(PageFlags::DROPPED) {
+        unpin(pins);
+        PinOutcome::Dropped
     } else if !flags.contains(PageFlags::RESIDENT) {
         unpin(pins);
         PinOutcome::NotResident
@@ -234,6 +239,21 @@ pub fn finish_free(state: &AtomicU64, ticket: MigrateTicket) {
     state.store(pack_state(next, PageFlags::NONE), Ordering::Release);
 }
 
+/// Daemon: the page was dropped by opt-in eviction: `state = (generation + 1) | DROPPED`.
+/// Clients that try to pin it get [`PinOutcome::Dropped`] and skip it.
+pub fn finish_drop(state: &AtomicU64, ticket: MigrateTicket) {
+    let next = ticket.generation.wrapping_add(1);
+    state.store(pack_state(next, PageFlags::DROPPED), Ordering::Release);
+}
+
+/// Daemon: marks a page that is not resident (in a lower tier) as dropped, without the protocol:
+/// no client can hold a pin on it, because [`pin_check`] refuses pages without `RESIDENT`.
+pub fn mark_dropped(state: &AtomicU64) {
+    let (generation, flags) = unpack_state(state.load(Ordering::Relaxed));
+    debug_assert!(!flags.contains(PageFlags::RESIDENT), "mark_dropped on a resident page; claim it first");
+    state.store(pack_state(generation.wrapping_add(1), PageFlags::DROPPED), Ordering::Release);
+}
+
 /// Daemon: withdraws a claim without changing anything: the state word returns to what it was
 /// when the page was claimed.
 pub fn abort_migrate(state: &AtomicU64, ticket: MigrateTicket) {
@@ -337,5 +357,24 @@ mod tests {
         assert_eq!(state.load(Ordering::Relaxed), pack_state(8, PageFlags::NONE));
         clear(&state);
         assert_eq!(state.load(Ordering::Relaxed), pack_state(9, PageFlags::NONE));
+    }
+
+    #[test]
+    fn dropped_pages_refuse_pins_and_claims_for_good() {
+        let pins = AtomicU32::new(0);
+        let state = AtomicU64::new(pack_state(3, RESIDENT));
+        let Ok(t) = try_begin_migrate(&state, &pins) else {
+            panic!("claim");
+        };
+        finish_drop(&state, t);
+        assert_eq!(state.load(Ordering::Relaxed), pack_state(4, PageFlags::DROPPED));
+        assert_eq!(pin(&pins, &state), PinOutcome::Dropped);
+        assert_eq!(pins.load(Ordering::Relaxed), 0, "a refused pin is undone");
+        assert_eq!(try_begin_migrate(&state, &pins), Err(MigrateSkip::NotResident));
+        // A page in a lower tier is dropped without a claim.
+        let lower = AtomicU64::new(pack_state(9, PageFlags::ALLOCATED));
+        mark_dropped(&lower);
+        assert_eq!(lower.load(Ordering::Relaxed), pack_state(10, PageFlags::DROPPED));
+        assert_eq!(pin(&pins, &lower), PinOutcome::Dropped);
     }
 }

@@ -1,10 +1,10 @@
 //! The daemon-written state word of a page: `generation << 32 | flags`.
 //!
 //! ```text
-//!  63                              32 31                   3    2           1          0
-//!  +---------------------------------+---------------------+-----------+----------+-----------+
-//!  | generation (u32, wraps)         | reserved (0)        | MIGRATING | RESIDENT | ALLOCATED |
-//!  +---------------------------------+---------------------+-----------+----------+-----------+
+//!  63                              32 31           4    3         2           1          0
+//!  +---------------------------------+--------------+---------+-----------+----------+-----------+
+//!  | generation (u32, wraps)         | reserved (0) | DROPPED | MIGRATING | RESIDENT | ALLOCATED |
+//!  +---------------------------------+--------------+---------+-----------+----------+-----------+
 //! ```
 //!
 //! - `ALLOCATED`: the page exists (it has been written or handed out as a tail page).
@@ -12,6 +12,8 @@
 //!   that clients may read after pinning. Implies `ALLOCATED`.
 //! - `MIGRATING`: the daemon has claimed the page to move, demote or free it; clients must not
 //!   start using it.
+//! - `DROPPED`: the page was evicted from a session that opted into lossy eviction: its bytes are
+//!   gone and readers skip it (it is never `ALLOCATED` or `RESIDENT` again).
 //! - `generation`: bumped every time the daemon publishes a new location or frees the page, so a
 //!   client can tell that a page changed since it last looked.
 //!
@@ -33,6 +35,8 @@ impl PageFlags {
     pub const RESIDENT: PageFlags = PageFlags(2);
     /// The daemon is moving, demoting or freeing the page.
     pub const MIGRATING: PageFlags = PageFlags(4);
+    /// The page was dropped by opt-in eviction; its bytes are gone and attention skips it.
+    pub const DROPPED: PageFlags = PageFlags(8);
 
     /// The raw bits.
     pub const fn bits(self) -> u32 {
@@ -81,6 +85,7 @@ impl fmt::Debug for PageFlags {
             (PageFlags::ALLOCATED, "ALLOCATED"),
             (PageFlags::RESIDENT, "RESIDENT"),
             (PageFlags::MIGRATING, "MIGRATING"),
+            (PageFlags::DROPPED, "DROPPED"),
         ] {
             if self.contains(flag) {
                 f.write_str(if first { "" } else { " | " })?;

@@ -281,6 +281,19 @@ impl EntryWriter<'_> {
         protocol::finish_free(&self.entry.state, ticket);
     }
 
+    /// The page was dropped by opt-in eviction (claimed, so no client reads it); readers skip it.
+    pub fn finish_drop(&self, ticket: MigrateTicket) {
+        self.debug_check_ticket(&ticket);
+        self.entry.store_location(PageLocation::default());
+        protocol::finish_drop(&self.entry.state, ticket);
+    }
+
+    /// Marks a page that is not resident (it lives in a lower tier) as dropped.
+    pub fn mark_dropped(&self) {
+        protocol::mark_dropped(&self.entry.state);
+        self.entry.store_location(PageLocation::default());
+    }
+
     /// Withdraws the claim; nothing changed.
     pub fn abort_migrate(&self, ticket: MigrateTicket) {
         self.debug_check_ticket(&ticket);

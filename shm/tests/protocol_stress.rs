@@ -111,7 +111,7 @@ fn pages_read_while_pinned_are_never_moved_torn_or_freed() -> Result<(), ShmErro
                             PinOutcome::Migrating => {
                                 saw_migrating.fetch_add(1, Ordering::Relaxed);
                             }
-                            PinOutcome::NotResident => panic!("block {block} is always resident"),
+                            PinOutcome::NotResident | PinOutcome::Dropped => panic!("block {block} is always resident"),
                         }
                     }
                 } else {
@@ -129,7 +129,7 @@ fn pages_read_while_pinned_are_never_moved_torn_or_freed() -> Result<(), ShmErro
                             PinOutcome::Migrating => {
                                 saw_migrating.fetch_add(1, Ordering::Relaxed);
                             }
-                            PinOutcome::NotResident => panic!("block {block} is always resident"),
+                            PinOutcome::NotResident | PinOutcome::Dropped => panic!("block {block} is always resident"),
                         }
                     }
                     unpin_batch(mine, &outcomes);

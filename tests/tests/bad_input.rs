@@ -38,7 +38,11 @@ fn expect_status<T: std::fmt::Debug>(r: Result<T, tonic::Status>, code: Code, wo
 fn attach(client: &Client, g: pb::Geometry) -> Result<pb::AttachResponse, tonic::Status> {
     let mut rpc = client.rpc();
     client
-        .block_on(rpc.attach(pb::AttachRequest { geometry: Some(g), model_id: "bad-input".into(), priority: 0 }))
+        .block_on(rpc.attach(pb::AttachRequest {
+            geometry: Some(g),
+            model_id: "bad-input".into(),
+            ..Default::default()
+        }))
         .map(tonic::Response::into_inner)
 }
 

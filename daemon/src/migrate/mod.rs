@@ -1,9 +1,10 @@
 //! Page migration: the move primitive ([`mover`]), recompression in place ([`recompress`]), moves
-//! between tiers ([`tiering`]), the compaction planner and pass ([`compact`]) and the test churn
+//! between tiers ([`tiering`]), opt-in eviction under a quota ([`evict`]), the compaction planner and pass ([`compact`]) and the test churn
 //! driver ([`churn`]), plus the background tasks that run them.
 
 pub mod churn;
 pub mod compact;
+pub mod evict;
 pub mod mover;
 pub mod recompress;
 pub mod tiering;

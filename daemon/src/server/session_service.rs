@@ -8,7 +8,7 @@ use kvmm_shm::{DEFAULT_BLOCK_TOKENS, Geometry};
 use tonic::{Request, Response, Status};
 
 use super::conn::ConnInfo;
-use crate::daemon::Daemon;
+use crate::daemon::{Daemon, SessionOptions};
 use crate::error::Error;
 use crate::session::Priority;
 
@@ -104,7 +104,8 @@ impl pb::session_server::Session for SessionService {
         let r = req.into_inner();
         let geometry = geometry_from_pb(r.geometry)?;
         let priority = priority_from_pb(r.priority)?;
-        let g = self.daemon.attach(who, geometry, r.model_id, priority)?;
+        let options = SessionOptions { model_id: r.model_id, priority, quota_tokens: r.quota_tokens, evict: r.evict };
+        let g = self.daemon.attach(who, geometry, options)?;
         Ok(Response::new(pb::AttachResponse {
             session_id: g.session_id,
             fd_token: g.fd_token.to_vec(),
@@ -160,6 +161,7 @@ impl pb::session_server::Session for SessionService {
                     resident: p.resident,
                     tier: if p.resident { pb::Tier::Device } else { pb::Tier::Unspecified } as i32,
                     generation: p.generation,
+                    dropped: p.dropped,
                 })
                 .collect(),
         }))
@@ -200,6 +202,9 @@ impl pb::session_server::Session for SessionService {
             fault_hits: s.counters.fault_hits,
             promoted_from_dram: s.counters.promoted_from_dram,
             promoted_from_flash: s.counters.promoted_from_flash,
+            quota_tokens: s.quota.pages_per_layer.map_or(0, |p| p * s.geometry.block_tokens),
+            evict: s.quota.evict,
+            dropped_pages: s.dropped_pages,
         }))
     }
 }

@@ -29,10 +29,11 @@ pub struct Owner {
     pub conn: ConnId,
 }
 
-/// Scheduling class (used by policy later; reported in stats now).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Scheduling class: victims of demotion are taken batch → background → foreground.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Priority {
     /// Interactive work; demoted last.
+    #[default]
     Foreground,
     /// Work that can wait.
     Background,
@@ -56,6 +57,16 @@ pub struct Counters {
     pub promoted_from_flash: u64,
 }
 
+/// How much a session may hold, and what happens past it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Quota {
+    /// The most pages per layer the session may hold in any tier; `None`: no quota.
+    pub pages_per_layer: Option<u32>,
+    /// Opt-in lossy eviction: past the quota, the pages with the least attention mass are dropped
+    /// (never the sink page or the recent window) instead of `Extend` failing.
+    pub evict: bool,
+}
+
 /// One attached session.
 #[derive(Debug)]
 pub struct Session {
@@ -69,6 +80,8 @@ pub struct Session {
     pub model_id: String,
     /// Scheduling class.
     pub priority: Priority,
+    /// Quota and eviction, fixed at attach.
+    pub quota: Quota,
     /// The daemon's read-write view of the shared session table; published from `pages`.
     pub table: SessionTable,
     /// The table memfd, handed to the client once over the fd socket; dropped with the session.

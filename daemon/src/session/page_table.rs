@@ -4,7 +4,8 @@
 //!
 //! The shared session table is a view the daemon publishes from this; the daemon never reads a
 //! location back from shared memory. Blocks are allocated for every layer at once (`Extend`), so
-//! `allocated_blocks` is the same for all layers and blocks `0..allocated_blocks` all have frames.
+//! `allocated_blocks` is the same for all layers, and blocks `0..allocated_blocks` all have a page
+//! except those dropped by opt-in eviction (counted per layer).
 
 use kvmm_kernels::Format;
 use kvmm_store::dram::DramSlot;
@@ -71,8 +72,11 @@ pub struct PageTable {
     blocks_per_layer: u32,
     /// Blocks allocated in every layer.
     allocated_blocks: u32,
-    /// `pages[layer * blocks_per_layer + block]`; `Some` exactly for blocks below `allocated_blocks`.
+    /// `pages[layer * blocks_per_layer + block]`; `Some` exactly for blocks below `allocated_blocks`
+    /// that were not dropped.
     pages: Vec<Option<Page>>,
+    /// Pages dropped by eviction, per layer.
+    dropped: Vec<u32>,
 }
 
 impl PageTable {
@@ -83,12 +87,37 @@ impl PageTable {
             blocks_per_layer,
             allocated_blocks: 0,
             pages: vec![None; layers as usize * blocks_per_layer as usize],
+            dropped: vec![0; layers as usize],
         }
     }
 
     /// Blocks allocated per layer.
     pub fn allocated_blocks(&self) -> u32 {
         self.allocated_blocks
+    }
+
+    /// Pages of `layer` that hold bytes somewhere: allocated and not dropped.
+    pub fn live_blocks(&self, layer: u32) -> u32 {
+        self.allocated_blocks - self.dropped.get(layer as usize).copied().unwrap_or(0)
+    }
+
+    /// Whether an allocated block of `layer` was dropped by eviction.
+    pub fn is_dropped(&self, layer: u32, block: u32) -> bool {
+        block < self.allocated_blocks && self.page(layer, block).is_none()
+    }
+
+    /// Pages dropped by eviction, over all layers.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.iter().map(|&d| u64::from(d)).sum()
+    }
+
+    /// Forgets an allocated page for good (opt-in eviction) and returns where it was; the caller
+    /// frees its place.
+    pub fn drop_page(&mut self, layer: u32, block: u32) -> Option<Page> {
+        let i = self.index(layer, block)?;
+        let page = self.pages[i].take()?;
+        self.dropped[layer as usize] += 1;
+        Some(page)
     }
 
     /// Capacity per layer.
@@ -161,6 +190,7 @@ impl PageTable {
     /// Removes every page and returns where each was (session destruction).
     pub fn take_all(&mut self) -> Vec<Place> {
         self.allocated_blocks = 0;
+        self.dropped.fill(0);
         self.pages.iter_mut().filter_map(Option::take).map(|p| p.place).collect()
     }
 
@@ -205,7 +235,14 @@ mod tests {
         assert_eq!(t.page(1, 2).map(|p| p.format), Some(Format::Q8), "a move keeps the format");
         assert_eq!(t.allocated_blocks(), 3);
         assert_eq!(t.pages().count(), 6);
-        assert_eq!(t.take_all().len(), 6);
+        assert_eq!((t.live_blocks(0), t.dropped()), (3, 0));
+        assert_eq!(t.drop_page(0, 1), Some(Page { place: Place::Device(f(64)), format: Format::F16 }));
+        assert_eq!(t.drop_page(0, 1), None, "a page is dropped once");
+        assert!(t.is_dropped(0, 1) && !t.is_dropped(1, 1) && !t.is_dropped(0, 3));
+        assert_eq!((t.live_blocks(0), t.live_blocks(1), t.dropped()), (2, 3, 1));
+        assert_eq!(t.pages().count(), 5, "a dropped page is nowhere");
+        assert_eq!(t.take_all().len(), 5);
+        assert_eq!(t.dropped(), 0);
         assert_eq!(t.bytes(), 0);
     }
 }

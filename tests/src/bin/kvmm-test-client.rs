@@ -14,6 +14,10 @@
 //!   (through the `--requantized-from` format first, when pages step down from it). `digest` prints
 //!   a digest of the exact bits of every layer's output for a fixed query; `prefetch` hints every
 //!   page of the session. `--canary` fills every value row with the bytes of `CANARY`.
+//!   `--quota-tokens Q [--evict]` attach with a quota (and opt-in eviction); `--attend-every K`
+//!   attends after every K-th token only; `--heavy-every H` scales up the keys of every H-th page
+//!   (heavy hitters). With a quota, every attention checks that no page eviction must keep was
+//!   dropped, and reports print `quota ... heavy_kept=KEPT/ELIGIBLE`.
 //! - `append-forever [geometry]`: append and attend until killed, printing `progress tokens=T`.
 //! - `raw-attach [geometry] [--fetch]`: Attach over gRPC without the library; print the session id
 //!   and token (and, with --fetch, the received arena's inode), then wait for `exit`.
@@ -134,24 +138,50 @@ struct Checked {
     canary: bool,
     /// The format lower pages were recompressed from (`--requantized-from q8`), if not from 16-bit.
     via: Option<kvmm_kernels::format::Format>,
+    /// `--attend-every K`: attention on every layer after every K-th appended token only.
+    attend_every: usize,
+    /// `--heavy-every H`: the keys of every H-th page (blocks 1, 1 + H, ...) are scaled up so the
+    /// pages draw more attention (heavy hitters); 0: none.
+    heavy_every: u32,
 }
 
 impl Checked {
+    /// Whether `block` is one of the `--heavy-every` pages.
+    fn heavy(&self, block: u32) -> bool {
+        self.heavy_every > 0 && block % self.heavy_every == 1
+    }
+
     fn append(&mut self, n: usize, attend: bool) {
         let row = (self.g.kv_heads * self.g.head_dim) as usize;
-        for _ in 0..n {
+        for i in 0..n {
             for layer in 0..self.g.layers {
-                let k = self.rng.vec(row);
+                let block = self.session.tokens(layer) / self.g.block_tokens;
+                let boost = if self.heavy(block) { 3.0 } else { 1.0 };
+                let k: Vec<f32> = self.rng.vec(row).into_iter().map(|x| x * boost).collect();
                 let v = if self.canary { canary_row(row) } else { self.rng.vec(row) };
                 self.session.append(layer, &k, &v).unwrap_or_else(|e| die(e));
                 let et = self.g.element_type;
                 self.keys[layer as usize].extend(k.iter().map(|&x| round_to(et, x)));
                 self.values[layer as usize].extend(v.iter().map(|&x| round_to(et, x)));
-                if attend {
+                if attend && (i + 1) % self.attend_every == 0 {
                     self.attend(layer);
                 }
             }
         }
+    }
+
+    /// Checks the pages eviction dropped: never the first page, never one with a token among the
+    /// last 128 of its layer. Returns the dropped blocks.
+    fn check_dropped(&self, layer: u32) -> Vec<u32> {
+        let dropped = self.session.dropped_blocks(layer).unwrap_or_else(|e| die(e));
+        let (bt, tokens) = (self.g.block_tokens, self.session.tokens(layer));
+        for &b in &dropped {
+            if b == 0 || (b + 1) * bt + 128 > tokens {
+                println!("FAIL layer={layer} tokens={tokens} dropped block {b}, which eviction must keep");
+                std::process::exit(3);
+            }
+        }
+        dropped
     }
 
     /// The K/V this process expects the daemon's pages to hold, given the format each page was read
@@ -165,6 +195,8 @@ impl Checked {
         let mut k = Vec::with_capacity(keys.len());
         let mut v = Vec::with_capacity(values.len());
         for (block, format) in formats.into_iter().enumerate() {
+            // A page eviction dropped is not read: its tokens are not in the reference either.
+            let Some(format) = format else { continue };
             *self.formats_seen.entry(format.as_u8()).or_default() += 1;
             let span = block * bt * row..((block + 1) * bt * row).min(keys.len());
             if !format.is_quantized() {
@@ -200,6 +232,7 @@ impl Checked {
     }
 
     fn attend(&mut self, layer: u32) {
+        self.check_dropped(layer);
         let g = self.g;
         let n = (g.q_heads * g.head_dim) as usize;
         let q = self.rng.vec(n);
@@ -321,6 +354,26 @@ impl Checked {
             s.pages[1],
             s.pages[2]
         );
+        if s.quota_tokens > 0 {
+            // Per layer: pages kept, and how many of the heavy pages eviction could have dropped
+            // (full, outside the sink page and the recent window) it kept.
+            let (mut kept, mut heavy, mut heavy_kept) = (Vec::new(), 0, 0);
+            for layer in 0..self.g.layers {
+                let dropped = self.check_dropped(layer);
+                let (bt, tokens) = (self.g.block_tokens, self.session.tokens(layer));
+                kept.push((self.session.allocated_blocks() - dropped.len() as u32).to_string());
+                for b in (1..tokens / bt).filter(|&b| self.heavy(b) && (b + 1) * bt + 128 <= tokens) {
+                    heavy += 1;
+                    heavy_kept += u32::from(!dropped.contains(&b));
+                }
+            }
+            println!(
+                "quota tokens={} dropped_pages={} kept_pages={} heavy_kept={heavy_kept}/{heavy}",
+                s.quota_tokens,
+                s.dropped_pages,
+                kept.join(",")
+            );
+        }
     }
 }
 
@@ -346,7 +399,13 @@ fn run(a: &Args, forever: bool) {
         Some("batch") => Priority::Batch,
         Some(other) => panic!("unknown priority {other}"),
     };
-    let opts = AttachOptions { extend_batch: a.get("extend-batch", 4), priority, ..Default::default() };
+    let opts = AttachOptions {
+        extend_batch: a.get("extend-batch", 4),
+        priority,
+        quota_tokens: a.get("quota-tokens", 0),
+        evict: a.flag("evict"),
+        ..Default::default()
+    };
     let session = client.attach_with(g, opts).unwrap_or_else(|e| die(e));
     let mut c = Checked {
         session,
@@ -365,6 +424,8 @@ fn run(a: &Args, forever: bool) {
                 .find(|f| f.name() == name)
                 .unwrap_or_else(|| panic!("unknown format {name}"))
         }),
+        attend_every: a.get("attend-every", 1usize).max(1),
+        heavy_every: a.get("heavy-every", 0),
     };
     println!("attached session={}", c.session.id());
     if forever {
@@ -464,6 +525,8 @@ fn raw_attach(a: &Args) {
             geometry: Some(kvmm_client::session::geometry_to_pb(&g)),
             model_id: "raw".into(),
             priority: 0,
+            quota_tokens: a.get("quota-tokens", 0),
+            evict: a.flag("evict"),
         }))
         .unwrap_or_else(|e| die(e.into()))
         .into_inner();
