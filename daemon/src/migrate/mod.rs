@@ -14,9 +14,8 @@ use std::time::{Duration, Instant};
 
 use kvmm_store::dram::DramPool;
 
-use crate::config::MIN_DEVICE_BUDGET;
 use crate::daemon::Daemon;
-use crate::policy::mode::Tuning;
+use crate::policy::plan::{self, Allowance, Plan, PoolView};
 use crate::policy::rate::RateLimit;
 
 /// Moves per arena in one compaction pass; bounds how long one pass holds the core lock.
@@ -56,7 +55,8 @@ const TIER_TICK: Duration = Duration::from_millis(20);
 /// the device and the DRAM pool under their high watermarks by demoting their coldest pages down to
 /// the low watermarks. The mode in force ([`crate::policy::mode::Tuning`], read on every pass) sets
 /// the watermarks, the demotion format and the byte rates of background migration and of flash
-/// writes. Runs until the daemon shuts down.
+/// writes; the pure planner ([`plan::plan`]) turns them and the pools' state into the bytes this
+/// pass moves. Runs until the daemon shuts down.
 pub fn tier_task(daemon: Arc<Daemon>) {
     let mut scratch = tiering::Scratch::default();
     let none = std::collections::HashSet::new();
@@ -78,12 +78,23 @@ pub fn tier_task(daemon: Arc<Daemon>) {
         }
         let tuning = daemon.tuning();
         let now = Instant::now();
-        // Under memory pressure the budgets shrink and the drain is not rate-limited: the memory
-        // has to go back to the system now.
-        let shrunk = tuning.device_budget_pct < 100 || tuning.dram_budget_pct < 100;
-        background.set_rate(if shrunk { None } else { tuning.background_bytes_per_s }, now);
-        flash_writes.set_rate(if shrunk { None } else { tuning.flash_write_bytes_per_s }, now);
-        apply_budgets(&daemon, &tuning, shrunk, &mut last_release, now);
+        let plan = {
+            let core = daemon.core.lock();
+            let view = PoolView {
+                device_configured: core.pool.configured_budget(),
+                device_used: core.pool.used(),
+                dram: core.dram.as_ref().map(|d| (d.capacity(), dram_used(&core))),
+                flash: daemon.flash.is_some(),
+            };
+            // Under memory pressure the drain is not rate-limited: the memory has to go back now.
+            let shrunk = plan::shrunk(&tuning);
+            background.set_rate(if shrunk { None } else { tuning.background_bytes_per_s }, now);
+            flash_writes.set_rate(if shrunk { None } else { tuning.flash_write_bytes_per_s }, now);
+            let allowed =
+                Allowance { background: background.available(now), flash_writes: flash_writes.available(now) };
+            plan::plan(view, &tuning, draining, allowed)
+        };
+        apply_budgets(&daemon, &plan, &mut last_release, now);
         let queued: Vec<tiering::PageRef> = daemon.core.lock().prefetch_queue.drain(..).collect();
         let mut sessions: Vec<u64> = queued.iter().map(|r| r.session).collect();
         sessions.dedup();
@@ -93,51 +104,31 @@ pub fn tier_task(daemon: Arc<Daemon>) {
                 tracing::warn!(session, error = %e, "prefetch failed");
             }
         }
-        let device = {
+        draining = plan.draining;
+        if plan.demote_device > 0 {
             let mut core = daemon.core.lock();
-            let budget = core.pool.budget();
-            let used = core.pool.used();
-            let low = budget / 100 * u64::from(tuning.device_low_watermark);
-            // A drain starts above the high watermark and goes on, in rate-limited steps, down to
-            // the low one.
-            draining = used > low && (draining || used > budget / 100 * u64::from(tuning.device_high_watermark));
-            let allowed = background.available(now);
-            if draining && allowed > 0 {
-                let bytes = (used - low).min(allowed);
-                let flash = daemon.flash.as_ref();
-                let moved = tiering::demote_coldest(&mut core, flash, tuning.demote_format, bytes, &mut scratch);
-                if let Ok(moved) = moved {
+            let flash = daemon.flash.as_ref();
+            match tiering::demote_coldest(&mut core, flash, tuning.demote_format, plan.demote_device, &mut scratch) {
+                Ok(moved) => {
                     background.spend(moved);
                     core.tier_counters.background_bytes += moved;
                     // Nothing left that may move (pinned, or no room below): wait for the next crossing.
                     draining &= moved > 0;
                 }
-                moved.map(|_| ())
-            } else {
-                Ok(())
+                Err(e) => tracing::warn!(error = %e, "background demotion from the device failed"),
             }
-        };
-        if let Err(e) = device {
-            tracing::warn!(error = %e, "background demotion from the device failed");
         }
-        if let Some(flash) = daemon.flash.as_ref() {
+        if let (Some(flash), true) = (daemon.flash.as_ref(), plan.spill_dram > 0) {
             let mut core = daemon.core.lock();
-            let over = core.dram.as_ref().map(kvmm_store::tier::Tier::stats).and_then(|d| {
-                (d.used > d.budget / 100 * u64::from(tuning.dram_high_watermark))
-                    .then(|| d.used - d.budget / 100 * u64::from(tuning.dram_low_watermark))
-            });
-            let allowed = background.available(now).min(flash_writes.available(now));
-            if let Some(bytes) = over.filter(|_| allowed > 0) {
-                let victims = tiering::pick_victims(&core, tiering::VictimTier::Dram, bytes.min(allowed), &none);
-                let before = dram_used(&core);
-                if let Err(e) = tiering::move_to_flash(&mut core, flash, &victims) {
-                    tracing::warn!(error = %e, "background demotion to flash failed");
-                }
-                let moved = before.saturating_sub(dram_used(&core));
-                background.spend(moved);
-                flash_writes.spend(moved);
-                core.tier_counters.background_bytes += moved;
+            let victims = tiering::pick_victims(&core, tiering::VictimTier::Dram, plan.spill_dram, &none);
+            let before = dram_used(&core);
+            if let Err(e) = tiering::move_to_flash(&mut core, flash, &victims) {
+                tracing::warn!(error = %e, "background demotion to flash failed");
             }
+            let moved = before.saturating_sub(dram_used(&core));
+            background.spend(moved);
+            flash_writes.spend(moved);
+            core.tier_counters.background_bytes += moved;
         }
     }
 }
@@ -150,20 +141,19 @@ fn dram_used(core: &crate::daemon::Core) -> u64 {
 /// How often free memory is given back while the budgets are shrunk.
 const RELEASE_EVERY: Duration = Duration::from_millis(500);
 
-/// Sets the device and DRAM budgets the mode allows and, while they are shrunk, gives the memory
-/// of free frames back to the system every [`RELEASE_EVERY`] (the watermark drain below demotes
+/// Sets the device and DRAM budgets the plan puts in force and, while they are shrunk, gives the
+/// memory of free frames back to the system every [`RELEASE_EVERY`] (the watermark drain demotes
 /// what is over the new budgets first).
-fn apply_budgets(daemon: &Daemon, tuning: &Tuning, shrunk: bool, last_release: &mut Option<Instant>, now: Instant) {
+fn apply_budgets(daemon: &Daemon, plan: &Plan, last_release: &mut Option<Instant>, now: Instant) {
     let mut core = daemon.core.lock();
-    let device = percent_of(core.pool.configured_budget(), tuning.device_budget_pct).max(MIN_DEVICE_BUDGET);
-    if device != core.pool.budget() {
-        tracing::info!(bytes = device, "device budget in force");
-        core.pool.set_budget(device);
+    if plan.device_budget != core.pool.budget() {
+        tracing::info!(bytes = plan.device_budget, "device budget in force");
+        core.pool.set_budget(plan.device_budget);
     }
-    if let Some(dram) = core.dram.as_mut() {
-        dram.set_limit(percent_of(dram.capacity(), tuning.dram_budget_pct));
+    if let (Some(dram), Some(limit)) = (core.dram.as_mut(), plan.dram_limit) {
+        dram.set_limit(limit);
     }
-    if !shrunk {
+    if !plan.shrunk {
         *last_release = None;
         return;
     }
@@ -177,9 +167,4 @@ fn apply_budgets(daemon: &Daemon, tuning: &Tuning, shrunk: bool, last_release: &
         Ok(bytes) => tracing::debug!(device = bytes, dram, "free memory given back"),
         Err(e) => tracing::warn!(error = %e, "giving free device memory back failed"),
     }
-}
-
-/// `pct` percent of `bytes`, exact at 100.
-fn percent_of(bytes: u64, pct: u8) -> u64 {
-    (u128::from(bytes) * u128::from(pct) / 100) as u64
 }
