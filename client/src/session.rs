@@ -105,6 +105,8 @@ pub struct SessionStats {
     /// The quota in force in tokens per layer (0: none), and pages dropped by eviction so far.
     pub quota_tokens: u32,
     pub dropped_pages: u64,
+    /// This process's name as the daemon recorded it at attach.
+    pub owner_name: String,
 }
 
 /// One attached session. Dropping it detaches (the daemon wipes its pages).
@@ -515,6 +517,7 @@ impl Session {
             promoted_from_flash: s.promoted_from_flash,
             quota_tokens: s.quota_tokens,
             dropped_pages: s.dropped_pages,
+            owner_name: s.owner_name,
         })
     }
 

@@ -499,7 +499,7 @@ pub struct Environment {
     pub xdg_runtime_dir: Option<PathBuf>,
     /// The effective uid.
     pub euid: u32,
-    /// `MemAvailable` from `/proc/meminfo`, in bytes.
+    /// Available memory (`MemAvailable`) at start-up, in bytes.
     pub mem_available: u64,
     /// `$STATE_DIRECTORY` (set by systemd's `StateDirectory=`).
     pub state_directory: Option<PathBuf>,
@@ -510,11 +510,17 @@ pub struct Environment {
 impl Environment {
     /// Reads the real environment.
     pub fn from_process() -> Result<Self> {
-        let meminfo = std::fs::read_to_string("/proc/meminfo")
-            .map_err(|e| Error::io("cannot read /proc/meminfo to size the default budget", e))?;
-        let mem_available = parse_mem_available(&meminfo).ok_or_else(|| {
-            Error::FailedPrecondition("/proc/meminfo has no MemAvailable line; set device_budget explicitly".to_owned())
-        })?;
+        // The real host's memory through sysinfo (the policy's sensors read a possibly fake host
+        // root with parsers of their own).
+        let mut host = sysinfo::System::new();
+        host.refresh_memory();
+        let mem_available = host.available_memory();
+        if mem_available == 0 {
+            return Err(Error::FailedPrecondition(
+                "cannot read the available memory from /proc/meminfo; set device_budget and dram_budget explicitly"
+                    .to_owned(),
+            ));
+        }
         Ok(Environment {
             // systemd may pass several colon-separated directories; the first is ours.
             runtime_directory: std::env::var_os("RUNTIME_DIRECTORY")
@@ -569,15 +575,6 @@ impl Environment {
             )),
         }
     }
-}
-
-/// Reads `MemAvailable` (in bytes) from `/proc/meminfo` text.
-pub fn parse_mem_available(meminfo: &str) -> Option<u64> {
-    meminfo.lines().find_map(|line| {
-        let rest = line.strip_prefix("MemAvailable:")?;
-        let kib: u64 = rest.trim().strip_suffix("kB")?.trim().parse().ok()?;
-        kib.checked_mul(1024)
-    })
 }
 
 /// Resolves a group name or numeric gid from `/etc/group`.
@@ -760,12 +757,5 @@ mod tests {
             let err = FileConfig::parse(text).unwrap().resolve(Overrides::default(), &env(0)).unwrap_err().to_string();
             assert!(err.contains(needle), "{text}: {err}");
         }
-    }
-
-    #[test]
-    fn mem_available_is_read_in_bytes() {
-        let text = "MemTotal:       24684096 kB\nMemAvailable:   24397128 kB\n";
-        assert_eq!(parse_mem_available(text), Some(24397128 * 1024));
-        assert_eq!(parse_mem_available("MemTotal: 1 kB\n"), None);
     }
 }

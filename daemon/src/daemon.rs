@@ -156,6 +156,8 @@ pub struct SessionStats {
     pub quota: Quota,
     /// Pages dropped by eviction.
     pub dropped_pages: u64,
+    /// The owning process's name at attach.
+    pub owner_name: String,
     /// Blocks allocated per layer.
     pub allocated_blocks: u32,
     /// Tokens published by the client (minimum over layers).
@@ -328,6 +330,7 @@ impl Daemon {
                 geometry.blocks_per_layer()
             )));
         }
+        let name = crate::session::process_name(caller.pid);
         let key = if self.seals() {
             Some(Arc::new(SessionKey::generate().map_err(kvmm_store::tier::TierError::from)?))
         } else {
@@ -351,7 +354,7 @@ impl Daemon {
         };
         core.sessions.insert(Session {
             id,
-            owner: Owner { uid: caller.uid, gid: caller.gid, pid: caller.pid, conn: caller.id },
+            owner: Owner { uid: caller.uid, gid: caller.gid, pid: caller.pid, name: name.clone(), conn: caller.id },
             geometry,
             model_id,
             priority,
@@ -366,7 +369,7 @@ impl Daemon {
             key,
             recent: Default::default(),
         });
-        tracing::info!(session = id, uid = caller.uid, pid = caller.pid, ?geometry, "attached");
+        tracing::info!(session = id, uid = caller.uid, pid = caller.pid, process = %name, ?geometry, "attached");
         Ok(grant)
     }
 
@@ -500,6 +503,7 @@ impl Daemon {
             priority: s.priority,
             quota: s.quota,
             dropped_pages: s.pages.dropped(),
+            owner_name: s.owner.name.clone(),
             allocated_blocks: s.pages.allocated_blocks(),
             tokens: s.tokens(),
             device_bytes: s.pages.bytes(),

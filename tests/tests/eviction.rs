@@ -62,6 +62,8 @@ fn an_opted_in_session_runs_16k_tokens_under_a_2k_quota_while_another_loses_noth
     let quota = fields(&evicting.expect_line("quota"));
     println!("evicting session: {done:?} {quota:?}");
     assert_eq!(done["tokens"], "16384", "{done:?}");
+    // The daemon knows which program attached (the kernel's 15-character process name).
+    assert_eq!(done["owner"], "kvmm-test-clien", "{done:?}");
     assert_eq!(quota["tokens"], "2048");
     let kept: Vec<u32> = quota["kept_pages"].split(',').map(|k| k.parse().unwrap()).collect();
     assert!(kept.iter().all(|&k| k <= 64), "at most 2048 tokens per layer are held: {kept:?}");

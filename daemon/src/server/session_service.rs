@@ -205,6 +205,7 @@ impl pb::session_server::Session for SessionService {
             quota_tokens: s.quota.pages_per_layer.map_or(0, |p| p * s.geometry.block_tokens),
             evict: s.quota.evict,
             dropped_pages: s.dropped_pages,
+            owner_name: s.owner_name,
         }))
     }
 }

@@ -17,7 +17,7 @@ pub use registry::Registry;
 use crate::server::conn::ConnId;
 
 /// Who owns a session: the peer credentials of the gRPC connection that attached it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Owner {
     /// `SO_PEERCRED` uid; selects the trust domain (arena).
     pub uid: u32,
@@ -25,8 +25,25 @@ pub struct Owner {
     pub gid: u32,
     /// `SO_PEERCRED` pid; the fd token is only honoured from this pid.
     pub pid: i32,
+    /// The process's name at attach (from `/proc/PID/stat` through sysinfo), for stats and logs;
+    /// empty when it could not be read. Informational only: never used to decide anything.
+    pub name: String,
     /// The connection that attached; when it closes, the session is destroyed.
     pub conn: ConnId,
+}
+
+/// The name of process `pid`, or an empty string when it cannot be read (it exited, or procfs
+/// hides it).
+pub fn process_name(pid: i32) -> String {
+    let Ok(pid) = u32::try_from(pid) else { return String::new() };
+    let pid = sysinfo::Pid::from_u32(pid);
+    let mut host = sysinfo::System::new();
+    host.refresh_processes_specifics(
+        sysinfo::ProcessesToUpdate::Some(&[pid]),
+        false,
+        sysinfo::ProcessRefreshKind::nothing(),
+    );
+    host.process(pid).map(|p| p.name().to_string_lossy().into_owned()).unwrap_or_default()
 }
 
 /// Scheduling class: victims of demotion are taken batch → background → foreground.

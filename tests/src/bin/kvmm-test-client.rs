@@ -341,7 +341,7 @@ impl Checked {
             .collect();
         println!(
             "{what} session={} tokens={} device_bytes={} moved={} attentions={} worst_rel_err={:e} formats_seen={} \
-             faults={} device_pages={} dram_pages={} flash_pages={}",
+             faults={} device_pages={} dram_pages={} flash_pages={} owner={}",
             self.session.id(),
             s.tokens,
             s.device_bytes,
@@ -352,7 +352,8 @@ impl Checked {
             s.faults,
             s.pages[0],
             s.pages[1],
-            s.pages[2]
+            s.pages[2],
+            s.owner_name
         );
         if s.quota_tokens > 0 {
             // Per layer: pages kept, and how many of the heavy pages eviction could have dropped
