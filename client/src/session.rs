@@ -314,6 +314,12 @@ impl Session {
     }
 
     fn check_layer(&self, layer: u32) -> Result<()> {
+        if self.table.status().is_ok_and(|s| s == kvmm_shm::TableStatus::Wiped) {
+            return Err(Error::FailedPrecondition(format!(
+                "session {} was wiped by an administrator; its data is gone: attach a new session",
+                self.id
+            )));
+        }
         if layer >= self.geometry.layers {
             return Err(Error::InvalidArgument(format!(
                 "layer {layer} is out of range: this session has layers 0..{}",
@@ -519,6 +525,16 @@ impl Session {
             dropped_pages: s.dropped_pages,
             owner_name: s.owner_name,
         })
+    }
+
+    /// Wipes this session now (the daemon zeroes every frame, punches its flash slots out and
+    /// destroys its key); later calls fail with `FAILED_PRECONDITION`. Returns the bytes wiped in
+    /// the device, DRAM and flash tiers.
+    pub fn wipe(&mut self) -> Result<[u64; 3]> {
+        let mut rpc = self.inner.rpc.clone();
+        let r = self.inner.runtime.block_on(rpc.wipe(pb::WipeRequest { session_id: self.id }))?.into_inner();
+        self.detached = true;
+        Ok([r.device_bytes, r.dram_bytes, r.flash_bytes])
     }
 
     /// Detaches now; the daemon wipes the session's pages. Returns the bytes wiped.

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use kvmm_shm::fdpass::{FdRequest, PeerCred};
-use kvmm_shm::{ClientRegion, Geometry, Memfd, PageLocation, SessionTable};
+use kvmm_shm::{ClientRegion, Geometry, Memfd, PageLocation, SessionTable, TableStatus};
 use kvmm_store::dram::DramPool;
 use kvmm_store::flash::{FlashFile, RUN_BYTES};
 use kvmm_store::io::{EngineKind, IoBuffers, probe};
@@ -445,17 +445,52 @@ impl Daemon {
     pub fn detach(&self, caller: ConnInfo, session_id: u64) -> Result<u64> {
         let mut core = self.core.lock();
         core.sessions.get(session_id, caller.uid)?;
-        let bytes = destroy(&mut core, self.flash.as_ref(), session_id)?;
+        let bytes = destroy(&mut core, self.flash.as_ref(), session_id, TableStatus::Closed)?.total();
         tracing::info!(session = session_id, bytes, "detached");
         Ok(bytes)
+    }
+
+    /// Wipes sessions on an operator's (or, for one session, its owner's) request: every frame
+    /// zeroed, every flash slot punched out, the key zeroized, the table marked wiped; their clients
+    /// get `FAILED_PRECONDITION` on their next call. Pins do not block a wipe. `as_owner`: the
+    /// request came through the session socket, so `by` must own the session. Returns the bytes
+    /// wiped per tier and how many sessions.
+    pub fn wipe(&self, which: WipeScope, by: ConnInfo, as_owner: bool) -> Result<WipeReport> {
+        let mut core = self.core.lock();
+        let ids = match which {
+            WipeScope::Session(id) if as_owner => vec![core.sessions.get(id, by.uid)?.id],
+            WipeScope::Session(id) if core.sessions.was_wiped(id) => return Err(Error::Wiped(id)),
+            WipeScope::Session(id) => vec![core.sessions.get_unchecked(id).ok_or(Error::UnknownSession(id))?.id],
+            _ if as_owner => {
+                return Err(Error::PermissionDenied(
+                    "only one's own sessions can be wiped through the session socket; wiping a user's or all \
+                     sessions is for the admin socket"
+                        .to_owned(),
+                ));
+            }
+            WipeScope::User(uid) => core.sessions.ids_of_uid(uid),
+            WipeScope::All => core.sessions.ids(),
+        };
+        let mut report = WipeReport::default();
+        for id in ids {
+            let Some(uid) = core.sessions.get_unchecked(id).map(|s| s.owner.uid) else { continue };
+            let wiped = destroy(&mut core, self.flash.as_ref(), id, TableStatus::Wiped)?;
+            core.sessions.remember_wiped(id, uid);
+            tracing::warn!(session = id, uid, by_uid = by.uid, by_pid = by.pid, bytes = wiped.total(), "session wiped");
+            report.add(&wiped);
+            report.sessions += 1;
+        }
+        Ok(report)
     }
 
     /// Destroys every session attached through a connection that has closed.
     pub fn connection_closed(&self, conn: ConnId) {
         let mut core = self.core.lock();
         for id in core.sessions.ids_of_conn(conn) {
-            match destroy(&mut core, self.flash.as_ref(), id) {
-                Ok(bytes) => tracing::info!(session = id, conn = conn.0, bytes, "client went away; session wiped"),
+            match destroy(&mut core, self.flash.as_ref(), id, TableStatus::Closed) {
+                Ok(w) => {
+                    tracing::info!(session = id, conn = conn.0, bytes = w.total(), "client went away; session wiped")
+                }
                 Err(e) => tracing::error!(session = id, error = %e, "wiping the session of a closed connection failed"),
             }
         }
@@ -466,8 +501,8 @@ impl Daemon {
         let mut core = self.core.lock();
         let mut total = 0;
         for id in core.sessions.ids() {
-            match destroy(&mut core, self.flash.as_ref(), id) {
-                Ok(b) => total += b,
+            match destroy(&mut core, self.flash.as_ref(), id, TableStatus::Closed) {
+                Ok(w) => total += w.total(),
                 Err(e) => tracing::error!(session = id, error = %e, "wiping a session at shutdown failed"),
             }
         }
@@ -819,16 +854,59 @@ fn check_page(s: &Session, layer: u32, block: u32) -> Result<()> {
     Ok(())
 }
 
-/// Removes a session, zeroes and frees its frames, marks its shared table closed; returns bytes wiped.
-/// Pins do not block this: the client is gone or has asked for it.
-fn destroy(core: &mut Core, flash: Option<&Mutex<FlashFile>>, id: u64) -> Result<u64> {
-    let Some(mut s) = core.sessions.remove(id) else { return Ok(0) };
+/// Which sessions a wipe takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WipeScope {
+    /// One session.
+    Session(u64),
+    /// Every session of a uid.
+    User(u32),
+    /// Every session.
+    All,
+}
+
+/// Bytes wiped per tier, and sessions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WipeReport {
+    pub device: u64,
+    pub dram: u64,
+    pub flash: u64,
+    pub sessions: u32,
+}
+
+impl WipeReport {
+    /// Bytes over all tiers.
+    pub fn total(&self) -> u64 {
+        self.device + self.dram + self.flash
+    }
+
+    fn add(&mut self, other: &WipeReport) {
+        self.device += other.device;
+        self.dram += other.dram;
+        self.flash += other.flash;
+    }
+}
+
+/// Removes a session: zeroes and frees its frames and DRAM slots (writes the compiler cannot
+/// drop), punches its flash slots out, drops its key (zeroized with its last holder), and marks
+/// its shared table `status`. Pins do not block this: the client is gone, asked for it, or an
+/// operator did. Returns the bytes wiped per tier.
+fn destroy(core: &mut Core, flash: Option<&Mutex<FlashFile>>, id: u64, status: TableStatus) -> Result<WipeReport> {
+    let Some(mut s) = core.sessions.remove(id) else { return Ok(WipeReport::default()) };
     core.tokens.remove(id);
-    s.table.set_status(kvmm_shm::TableStatus::Closed)?;
-    let mut bytes = 0;
+    let mut report = WipeReport { sessions: 1, ..WipeReport::default() };
+    // First the shared entries: a client that is still running (a wipe) can pin nothing from here
+    // on, and faults get FAILED_PRECONDITION.
+    for (layer, block, _) in s.pages.all() {
+        s.table.entry_writer(layer, block)?.clear();
+    }
     let mut flash_slots = Vec::new();
     for place in s.pages.take_all() {
-        bytes += place.footprint();
+        match place {
+            Place::Device(_) => report.device += place.footprint(),
+            Place::Dram(_) => report.dram += place.footprint(),
+            Place::Flash(_) => report.flash += place.footprint(),
+        }
         match place {
             Place::Device(frame) => core.pool.free_frame(s.owner.uid, frame)?,
             Place::Dram(slot) => {
@@ -848,5 +926,7 @@ fn destroy(core: &mut Core, flash: Option<&Mutex<FlashFile>>, id: u64) -> Result
         }
     }
     debug_assert_eq!(core.pool.used(), core.pool.used_by_arenas());
-    Ok(bytes)
+    // Published after the frames are zeroed: a client that sees the status sees zeros.
+    s.table.set_status(status)?;
+    Ok(report)
 }

@@ -38,6 +38,9 @@ pub enum Error {
     /// No session with this id exists (for this caller).
     #[error("session {0} does not exist: it was detached, destroyed with its connection, or never attached")]
     UnknownSession(u64),
+    /// An operator wiped the session: its data is gone.
+    #[error("session {0} was wiped by an administrator; its data is gone: attach a new session")]
+    Wiped(u64),
     /// The caller is not the session's owner.
     #[error("session {session} belongs to uid {owner}; uid {caller} may not use it")]
     ForeignSession {
@@ -133,7 +136,7 @@ impl Error {
             Error::Exhausted { .. } | Error::OverQuota { .. } | Error::NothingToDrop { .. } => {
                 ErrorKind::ResourceExhausted
             }
-            Error::FailedPrecondition(_) => ErrorKind::FailedPrecondition,
+            Error::FailedPrecondition(_) | Error::Wiped(_) => ErrorKind::FailedPrecondition,
             Error::ShuttingDown | Error::Busy(_) => ErrorKind::Unavailable,
             Error::Shm(_) | Error::Kernel(_) | Error::Io { .. } => ErrorKind::Internal,
             Error::Tier(e) => match e {

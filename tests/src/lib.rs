@@ -143,6 +143,51 @@ impl Daemon {
         self.admin(async |mut admin| admin.reload_policy(request).await.map(tonic::Response::into_inner))
     }
 
+    /// Admin `Demote` of the full pages of `layers` of a session to `tier`.
+    pub fn demote_layers(
+        &self,
+        session_id: u64,
+        layers: std::ops::Range<u32>,
+        tier: kvmm_proto::v1::Tier,
+    ) -> kvmm_proto::v1::DemoteResponse {
+        let request = kvmm_proto::v1::DemoteRequest {
+            session_id,
+            tier: tier as i32,
+            first_layer: layers.start,
+            layers: layers.end - layers.start,
+            ..Default::default()
+        };
+        self.admin(async |mut admin| admin.demote(request).await.unwrap().into_inner())
+    }
+
+    /// Admin `WipeSession`, returning the status on refusal.
+    pub fn wipe_session(&self, session_id: u64) -> Result<kvmm_proto::v1::WipeResponse, tonic::Status> {
+        let request = kvmm_proto::v1::WipeRequest { session_id };
+        self.admin(async |mut admin| admin.wipe_session(request).await.map(tonic::Response::into_inner))
+    }
+
+    /// Admin `WipeUser` and `WipeAll` (`uid` `None`).
+    pub fn wipe_many(&self, uid: Option<u32>) -> kvmm_proto::v1::WipeResponse {
+        self.admin(async |mut admin| match uid {
+            Some(uid) => admin.wipe_user(kvmm_proto::v1::WipeUserRequest { uid }).await.unwrap().into_inner(),
+            None => admin.wipe_all(kvmm_proto::v1::WipeAllRequest {}).await.unwrap().into_inner(),
+        })
+    }
+
+    /// Every memfd the daemon holds open, read through `/proc/PID/fd` (arenas, session tables,
+    /// client regions), as (link name, bytes).
+    pub fn memfds(&self) -> Vec<(String, Vec<u8>)> {
+        let dir = format!("/proc/{}/fd", self.pid());
+        std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| {
+                let path = e.ok()?.path();
+                let link = std::fs::read_link(&path).ok()?.to_string_lossy().into_owned();
+                link.starts_with("/memfd:").then(|| std::fs::read(&path).ok().map(|b| (link, b)))?
+            })
+            .collect()
+    }
+
     /// Device-tier bytes in use.
     pub fn device_used(&self) -> u64 {
         self.status().tiers[0].used_bytes

@@ -43,7 +43,7 @@ fn another_uid_cannot_touch_a_session_or_receive_its_arena() {
     let verdict = foreign.expect_line("foreign");
     println!("uid 65534 on uid 0's session: {verdict}");
     let f = fields(&format!("x {verdict}"));
-    for rpc in ["extend", "stats", "fault", "detach"] {
+    for rpc in ["extend", "stats", "fault", "wipe", "detach"] {
         assert_eq!(f[rpc], "PermissionDenied", "{rpc}: {verdict}");
     }
     assert!(foreign.wait(Duration::from_secs(10)).success());

@@ -7,8 +7,8 @@ use kvmm_proto::v1 as pb;
 use tonic::{Request, Response, Status};
 
 use super::conn::ConnInfo;
-use super::session_service::caller;
-use crate::daemon::Daemon;
+use super::session_service::{caller, wipe_to_pb};
+use crate::daemon::{Daemon, WipeScope};
 use crate::error::Error;
 use crate::policy::live::PolicyView;
 use crate::policy::mode::Pressure;
@@ -67,6 +67,26 @@ fn format_from_pb(f: i32) -> Result<kvmm_kernels::Format, Error> {
 
 #[tonic::async_trait]
 impl pb::admin_server::Admin for AdminService {
+    async fn wipe_session(&self, req: Request<pb::WipeRequest>) -> Result<Response<pb::WipeResponse>, Status> {
+        let who = caller(&req)?;
+        self.authorize(who)?;
+        let id = req.into_inner().session_id;
+        Ok(Response::new(wipe_to_pb(self.daemon.wipe(WipeScope::Session(id), who, false)?)))
+    }
+
+    async fn wipe_user(&self, req: Request<pb::WipeUserRequest>) -> Result<Response<pb::WipeResponse>, Status> {
+        let who = caller(&req)?;
+        self.authorize(who)?;
+        let uid = req.into_inner().uid;
+        Ok(Response::new(wipe_to_pb(self.daemon.wipe(WipeScope::User(uid), who, false)?)))
+    }
+
+    async fn wipe_all(&self, req: Request<pb::WipeAllRequest>) -> Result<Response<pb::WipeResponse>, Status> {
+        let who = caller(&req)?;
+        self.authorize(who)?;
+        Ok(Response::new(wipe_to_pb(self.daemon.wipe(WipeScope::All, who, false)?)))
+    }
+
     async fn compress(&self, req: Request<pb::CompressRequest>) -> Result<Response<pb::CompressResponse>, Status> {
         self.authorize(caller(&req)?)?;
         let r = req.into_inner();

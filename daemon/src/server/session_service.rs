@@ -8,7 +8,7 @@ use kvmm_shm::{DEFAULT_BLOCK_TOKENS, Geometry};
 use tonic::{Request, Response, Status};
 
 use super::conn::ConnInfo;
-use crate::daemon::{Daemon, SessionOptions};
+use crate::daemon::{Daemon, SessionOptions, WipeReport, WipeScope};
 use crate::error::Error;
 use crate::session::Priority;
 
@@ -96,6 +96,11 @@ fn priority_to_pb(p: Priority) -> pb::Priority {
     }
 }
 
+/// A wipe report on the wire.
+pub fn wipe_to_pb(r: WipeReport) -> pb::WipeResponse {
+    pb::WipeResponse { device_bytes: r.device, dram_bytes: r.dram, flash_bytes: r.flash, sessions: r.sessions }
+}
+
 #[tonic::async_trait]
 impl pb::session_server::Session for SessionService {
     async fn attach(&self, req: Request<pb::AttachRequest>) -> Result<Response<pb::AttachResponse>, Status> {
@@ -173,6 +178,14 @@ impl pb::session_server::Session for SessionService {
         let _span = tracing::debug_span!("Detach", session = session_id).entered();
         let bytes_wiped = self.daemon.detach(who, session_id)?;
         Ok(Response::new(pb::DetachResponse { bytes_wiped }))
+    }
+
+    async fn wipe(&self, req: Request<pb::WipeRequest>) -> Result<Response<pb::WipeResponse>, Status> {
+        let who = caller(&req)?;
+        let session_id = req.into_inner().session_id;
+        let _span = tracing::debug_span!("Wipe", session = session_id).entered();
+        let report = self.daemon.wipe(WipeScope::Session(session_id), who, true)?;
+        Ok(Response::new(wipe_to_pb(report)))
     }
 
     async fn session_stats(

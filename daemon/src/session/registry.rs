@@ -1,6 +1,6 @@
 //! The registry of live sessions, keyed by id, with ownership checks.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use super::Session;
 use crate::error::{Error, Result};
@@ -12,7 +12,14 @@ pub struct Registry {
     sessions: BTreeMap<u64, Session>,
     /// The next id to hand out; ids are never reused during one daemon run.
     next_id: u64,
+    /// Sessions an operator wiped, with their owner's uid, so that their client hears why on its
+    /// next call; the oldest are forgotten past [`WIPED_REMEMBERED`].
+    wiped: HashMap<u64, u32>,
+    wiped_order: VecDeque<u64>,
 }
+
+/// Wiped sessions remembered for their clients' next call.
+pub const WIPED_REMEMBERED: usize = 4096;
 
 impl Registry {
     /// Reserves a fresh session id.
@@ -26,9 +33,34 @@ impl Registry {
         self.sessions.insert(session.id, session);
     }
 
+    /// Remembers that session `id` of `uid` was wiped by an operator.
+    pub fn remember_wiped(&mut self, id: u64, uid: u32) {
+        if self.wiped_order.len() >= WIPED_REMEMBERED
+            && let Some(old) = self.wiped_order.pop_front()
+        {
+            self.wiped.remove(&old);
+        }
+        self.wiped.insert(id, uid);
+        self.wiped_order.push_back(id);
+    }
+
+    /// Whether session `id` was wiped by an operator (and is still remembered).
+    pub fn was_wiped(&self, id: u64) -> bool {
+        self.wiped.contains_key(&id)
+    }
+
+    /// Why session `id` is not there, for `uid`.
+    fn missing(&self, id: u64, uid: u32) -> Error {
+        match self.wiped.get(&id) {
+            Some(&owner) if owner != uid => Error::ForeignSession { session: id, owner, caller: uid },
+            Some(_) => Error::Wiped(id),
+            None => Error::UnknownSession(id),
+        }
+    }
+
     /// The session `id` if `uid` may use it.
     pub fn get(&self, id: u64, uid: u32) -> Result<&Session> {
-        let s = self.sessions.get(&id).ok_or(Error::UnknownSession(id))?;
+        let s = self.sessions.get(&id).ok_or_else(|| self.missing(id, uid))?;
         if s.owner.uid != uid {
             return Err(Error::ForeignSession { session: id, owner: s.owner.uid, caller: uid });
         }
@@ -37,6 +69,9 @@ impl Registry {
 
     /// Mutable access to session `id` if `uid` may use it.
     pub fn get_mut(&mut self, id: u64, uid: u32) -> Result<&mut Session> {
+        if !self.sessions.contains_key(&id) {
+            return Err(self.missing(id, uid));
+        }
         let s = self.sessions.get_mut(&id).ok_or(Error::UnknownSession(id))?;
         if s.owner.uid != uid {
             return Err(Error::ForeignSession { session: id, owner: s.owner.uid, caller: uid });
@@ -62,6 +97,11 @@ impl Registry {
     /// Ids of the sessions attached through connection `conn`.
     pub fn ids_of_conn(&self, conn: ConnId) -> Vec<u64> {
         self.sessions.values().filter(|s| s.owner.conn == conn).map(|s| s.id).collect()
+    }
+
+    /// Ids of the sessions of `uid`.
+    pub fn ids_of_uid(&self, uid: u32) -> Vec<u64> {
+        self.sessions.values().filter(|s| s.owner.uid == uid).map(|s| s.id).collect()
     }
 
     /// Every session id.

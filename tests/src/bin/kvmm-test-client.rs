@@ -23,6 +23,8 @@
 //!   and token (and, with --fetch, the received arena's inode), then wait for `exit`.
 //! - `fd-request --session S --token HEX`: present a token on the fd socket; print the reply.
 //! - `foreign --session S`: from another uid, try every session RPC on S and print the codes.
+//!
+//! `wipe` (in `run`) wipes the session through the session socket, as its owner may.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -481,6 +483,10 @@ fn run(a: &Args, forever: bool) {
                 let (resident, scheduled) = c.session.prefetch(0..g.layers, 0..blocks).unwrap_or_else(|e| die(e));
                 println!("prefetched resident={resident} scheduled={scheduled}");
             }
+            (Some("wipe"), _) => {
+                let [device, dram, flash] = c.session.wipe().unwrap_or_else(|e| die(e));
+                println!("wiped device={device} dram={dram} flash={flash}");
+            }
             (Some("exit"), _) => break,
             _ => println!("unknown command {line}"),
         }
@@ -575,6 +581,14 @@ fn foreign(a: &Args) {
     let fault = client
         .block_on(rpc.fault(pb::FaultRequest { session_id, pages: vec![pb::PageRef { layer: 0, block: 0 }] }))
         .map(|_| ());
+    let wipe = client.block_on(rpc.wipe(pb::WipeRequest { session_id })).map(|_| ());
     let detach = client.block_on(rpc.detach(pb::DetachRequest { session_id })).map(|_| ());
-    println!("foreign extend={} stats={} fault={} detach={}", code(extend), code(stats), code(fault), code(detach));
+    println!(
+        "foreign extend={} stats={} fault={} wipe={} detach={}",
+        code(extend),
+        code(stats),
+        code(fault),
+        code(wipe),
+        code(detach)
+    );
 }
