@@ -55,7 +55,8 @@ const TIER_TICK: Duration = Duration::from_millis(20);
 /// the device and the DRAM pool under their high watermarks by demoting their coldest pages down to
 /// the low watermarks. The mode in force ([`crate::policy::mode::Tuning`], read on every pass) sets
 /// the watermarks, the demotion format and the byte rates of background migration and of flash
-/// writes. Runs until the daemon shuts down.
+/// writes; the `[policy]` precision settings ([`crate::policy::precision::Demotion`]) refine the
+/// format per page. Runs until the daemon shuts down.
 pub fn tier_task(daemon: Arc<Daemon>) {
     let mut scratch = tiering::Scratch::default();
     let none = std::collections::HashSet::new();
@@ -75,7 +76,10 @@ pub fn tier_task(daemon: Arc<Daemon>) {
             }
             *wanted = false;
         }
-        let tuning = daemon.tuning();
+        let (tuning, demotion) = {
+            let policy = daemon.policy.lock();
+            (policy.tuning(), policy.demotion())
+        };
         let now = Instant::now();
         // Under memory pressure the budgets shrink and the drain is not rate-limited: the memory
         // has to go back to the system now.
@@ -104,7 +108,7 @@ pub fn tier_task(daemon: Arc<Daemon>) {
             if draining && allowed > 0 {
                 let bytes = (used - low).min(allowed);
                 let flash = daemon.flash.as_ref();
-                let moved = tiering::demote_coldest(&mut core, flash, tuning.demote_format, bytes, &mut scratch);
+                let moved = tiering::demote_coldest(&mut core, flash, &demotion, bytes, &mut scratch);
                 if let Ok(moved) = moved {
                     background.spend(moved);
                     core.tier_counters.background_bytes += moved;

@@ -14,6 +14,9 @@
 //!   (through the `--requantized-from` format first, when pages step down from it). `digest` prints
 //!   a digest of the exact bits of every layer's output for a fixed query; `prefetch` hints every
 //!   page of the session. `--canary` fills every value row with the bytes of `CANARY`.
+//!   `--hot-blocks 9,30 [--hot-scale 8]` scales the keys of those blocks (every layer), so random
+//!   queries give them most of the attention mass; `formats` prints the format each page of each
+//!   layer is read in, after a checked attention.
 //! - `append-forever [geometry]`: append and attend until killed, printing `progress tokens=T`.
 //! - `raw-attach [geometry] [--fetch]`: Attach over gRPC without the library; print the session id
 //!   and token (and, with --fetch, the received arena's inode), then wait for `exit`.
@@ -134,6 +137,37 @@ struct Checked {
     canary: bool,
     /// The format lower pages were recompressed from (`--requantized-from q8`), if not from 16-bit.
     via: Option<kvmm_kernels::format::Format>,
+    /// `--hot-blocks`, `--hot-scale`: blocks whose keys are scaled, and by how much.
+    hot: Hot,
+}
+
+/// Blocks whose keys are scaled up so that they draw most of the attention mass.
+#[derive(Default)]
+struct Hot {
+    blocks: Vec<usize>,
+    scale: f32,
+}
+
+impl Hot {
+    fn parse(a: &Args) -> Hot {
+        let blocks = a.0.get("hot-blocks").map_or(Vec::new(), |list| {
+            list.split(',').map(|b| b.trim().parse().expect("--hot-blocks takes block numbers")).collect()
+        });
+        Hot { blocks, scale: a.get("hot-scale", 8.0) }
+    }
+
+    /// The key row of token `token`, scaled when its block is hot.
+    fn heat(&self, block_tokens: u32, token: usize, mut k: Vec<f32>) -> Vec<f32> {
+        if self.blocks.contains(&(token / block_tokens as usize)) {
+            k.iter_mut().for_each(|x| *x *= self.scale);
+        }
+        k
+    }
+}
+
+/// The name of the format a page was read in.
+fn page_format_name(format: &kvmm_kernels::format::Format) -> &'static str {
+    format.name()
 }
 
 impl Checked {
@@ -141,7 +175,8 @@ impl Checked {
         let row = (self.g.kv_heads * self.g.head_dim) as usize;
         for _ in 0..n {
             for layer in 0..self.g.layers {
-                let k = self.rng.vec(row);
+                let token = self.keys[layer as usize].len() / row;
+                let k = self.hot.heat(self.g.block_tokens, token, self.rng.vec(row));
                 let v = if self.canary { canary_row(row) } else { self.rng.vec(row) };
                 self.session.append(layer, &k, &v).unwrap_or_else(|e| die(e));
                 let et = self.g.element_type;
@@ -293,6 +328,16 @@ impl Checked {
         );
     }
 
+    /// One checked attention per layer, then the format each of its pages was read in:
+    /// `formats layer=L pages=f16,q8,q4,...`.
+    fn print_formats(&mut self) {
+        for layer in 0..self.g.layers {
+            self.attend(layer);
+            let names: Vec<&str> = self.session.last_formats().iter().map(page_format_name).collect();
+            println!("formats layer={layer} pages={}", names.join(","));
+        }
+    }
+
     fn round(&mut self) {
         for layer in 0..self.g.layers {
             self.attend(layer);
@@ -365,6 +410,7 @@ fn run(a: &Args, forever: bool) {
                 .find(|f| f.name() == name)
                 .unwrap_or_else(|| panic!("unknown format {name}"))
         }),
+        hot: Hot::parse(a),
     };
     println!("attached session={}", c.session.id());
     if forever {
@@ -414,6 +460,7 @@ fn run(a: &Args, forever: bool) {
             }
             (Some("stats"), _) => c.report("stats"),
             (Some("digest"), _) => c.digest(),
+            (Some("formats"), _) => c.print_formats(),
             (Some("prefetch"), _) => {
                 let blocks = c.session.allocated_blocks();
                 let (resident, scheduled) = c.session.prefetch(0..g.layers, 0..blocks).unwrap_or_else(|e| die(e));
