@@ -13,6 +13,7 @@ use serde::Deserialize;
 
 use crate::error::{Error, Result};
 use crate::policy::mode::{Mode, ModePolicy};
+use crate::policy::precision::{Floors, LayerFloor, PrecisionPolicy};
 
 /// Default share of `MemAvailable` given to the device tier when no budget is configured.
 pub const DEFAULT_DEVICE_BUDGET: &str = "25%";
@@ -69,6 +70,24 @@ pub struct PolicyConfig {
     pub pressure_enter: Option<u8>,
     /// ...until it falls below this one.
     pub pressure_leave: Option<u8>,
+    /// Per-page formats from the attention mass the client's kernels record when pages are
+    /// compressed on demotion (default true): the most attended pages keep more bits, the least
+    /// attended pay for them, at the mode's format's bytes.
+    pub adaptive_precision: Option<bool>,
+    /// Per-layer floors (`[[policy.floor]]`): pages of those layers are never demoted below the
+    /// floor's format.
+    pub floor: Option<Vec<FloorConfig>>,
+}
+
+/// One `[[policy.floor]]` table.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct FloorConfig {
+    /// The layers: `N`, `N-M`, `first`, `last` or `N-last` (`last` is each session's last layer).
+    pub layers: String,
+    /// The least precise format their pages may take: `f16`/`bf16` (never compressed), `q8`,
+    /// `k8v4`, `q4` or `q2`.
+    pub format: String,
 }
 
 /// The `[tiers]` table.
@@ -248,6 +267,8 @@ pub struct Policy {
     pub host_root: PathBuf,
     /// Time between readings.
     pub interval: std::time::Duration,
+    /// Adaptive precision and per-layer floors of demoted pages.
+    pub precision: PrecisionPolicy,
 }
 
 /// Default time between sensor readings.
@@ -483,10 +504,22 @@ fn resolve_policy(file: PolicyConfig, cli: &Overrides) -> Result<Policy> {
             "policy interval_ms is {interval_ms}; it must be between 50 and 60000 milliseconds"
         )));
     }
+    let floors = file
+        .floor
+        .unwrap_or_default()
+        .iter()
+        .map(|f| LayerFloor::parse(&f.layers, &f.format))
+        .collect::<std::result::Result<Vec<_>, String>>()
+        .map_err(Error::InvalidArgument)?;
+    let precision = PrecisionPolicy {
+        adaptive: file.adaptive_precision.unwrap_or(PrecisionPolicy::default().adaptive),
+        floors: Floors::new(floors),
+    };
     Ok(Policy {
         modes,
         host_root: cli.host_root.clone().or(file.host_root).unwrap_or_else(|| PathBuf::from("/")),
         interval: std::time::Duration::from_millis(interval_ms),
+        precision,
     })
 }
 
@@ -671,7 +704,7 @@ mod tests {
         let uncommented: String = example
             .lines()
             .map(|l| match l.strip_prefix("# ") {
-                Some(rest) if rest.contains(" = ") => rest,
+                Some(rest) if rest.contains(" = ") || rest.starts_with("[[") => rest,
                 _ => l,
             })
             .map(|l| format!("{l}\n"))
@@ -685,8 +718,36 @@ mod tests {
         assert_eq!(tiers.demote_format.as_deref(), Some("q8"));
         let tiers = resolve_tiers(tiers, &Overrides::default(), &env(0)).unwrap();
         assert_eq!(tiers.flash_path, PathBuf::from("/var/lib/kvmm/kvmm.flash"));
-        let policy = resolve_policy(file.policy.clone().unwrap(), &Overrides::default()).unwrap();
+        let mut policy = resolve_policy(file.policy.clone().unwrap(), &Overrides::default()).unwrap();
+        let floors: Vec<String> = policy.precision.floors.iter().map(ToString::to_string).collect();
+        assert_eq!(floors, ["0-1:q8"]);
+        policy.precision.floors = Floors::default();
         assert_eq!(policy, FileConfig::default().resolve(Overrides::default(), &env(0)).unwrap().policy);
+    }
+
+    #[test]
+    fn adaptive_precision_defaults_on_and_floors_parse_from_policy_tables() {
+        let r = FileConfig::default().resolve(Overrides::default(), &env(0)).unwrap();
+        assert_eq!(r.policy.precision, PrecisionPolicy { adaptive: true, floors: Floors::default() });
+        let file = FileConfig::parse(
+            "[policy]\nadaptive_precision = false\n\n[[policy.floor]]\nlayers = \"0-1\"\nformat = \"q8\"\n\n\
+             [[policy.floor]]\nlayers = \"last\"\nformat = \"f16\"\n",
+        )
+        .unwrap();
+        let p = file.resolve(Overrides::default(), &env(0)).unwrap().policy.precision;
+        assert!(!p.adaptive);
+        let floors: Vec<String> = p.floors.iter().map(ToString::to_string).collect();
+        assert_eq!(floors, ["0-1:q8", "last:f16"]);
+        assert_eq!(
+            (p.floors.of(1, 24), p.floors.of(23, 24), p.floors.of(5, 24)),
+            (Some(Format::Q8), Some(Format::F16), None)
+        );
+        // A floor above a lossless configuration is accepted (it changes nothing).
+        let file = FileConfig::parse(
+            "[tiers]\ndemote_format = \"none\"\n[policy]\nfloor = [{ layers = \"0\", format = \"q8\" }]\n",
+        )
+        .unwrap();
+        assert_eq!(file.resolve(Overrides::default(), &env(0)).unwrap().policy.precision.floors.iter().count(), 1);
     }
 
     #[test]
@@ -723,8 +784,18 @@ mod tests {
             ("[policy]\npowersave_below = 120\n", "policy.powersave_below is 120"),
             ("[policy]\npressure_enter = 5\npressure_leave = 5\n", "must be below policy.pressure_enter"),
             ("[policy]\ninterval_ms = 10\n", "between 50 and 60000"),
+            ("[[policy.floor]]\nlayers = \"3-1\"\nformat = \"q8\"\n", "layers \"3-1\" is not a range of layers"),
+            ("[[policy.floor]]\nlayers = \"0\"\nformat = \"q3\"\n", "format \"q3\" is not a page format"),
+            ("[[policy.floor]]\nlayers = \"0\"\n", "missing field `format`"),
+            ("[[policy.floor]]\nlayers = \"0\"\nformat = \"q8\"\nbits = 8\n", "bits"),
+            ("[policy]\nadaptive_precision = \"yes\"\n", "adaptive_precision"),
         ] {
-            let err = FileConfig::parse(text).unwrap().resolve(Overrides::default(), &env(0)).unwrap_err().to_string();
+            // Shape errors (a missing or unknown key, a wrong type) come from the parser, values from
+            // resolution.
+            let err = match FileConfig::parse(text) {
+                Ok(file) => file.resolve(Overrides::default(), &env(0)).unwrap_err().to_string(),
+                Err(e) => e,
+            };
             assert!(err.contains(needle), "{text}: {err}");
         }
     }

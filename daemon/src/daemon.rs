@@ -26,6 +26,7 @@ use crate::fdpass::{TOKEN_BYTES, TokenStore};
 use crate::migrate::tiering::{self, PageRef, Scratch, TierCounters};
 use crate::policy::live::LivePolicy;
 use crate::policy::mode::Tuning;
+use crate::policy::precision::Demotion;
 use crate::pool::Pool;
 use crate::server::conn::{ConnId, ConnInfo};
 use crate::session::page_table::Place;
@@ -266,7 +267,11 @@ impl Daemon {
         if fresh.host_root != self.config.policy.host_root || fresh.interval != self.config.policy.interval {
             tracing::warn!("policy host_root and interval_ms changes take effect when kvmmd restarts");
         }
-        let change = self.policy.lock().reload(&self.config, fresh.modes);
+        if fresh.precision != self.policy.lock().view().precision {
+            let floors: Vec<String> = fresh.precision.floors.iter().map(ToString::to_string).collect();
+            tracing::info!(adaptive = fresh.precision.adaptive, floors = %floors.join(","), "precision reloaded");
+        }
+        let change = self.policy.lock().reload(&self.config, fresh.modes, fresh.precision);
         match change {
             Some(c) => {
                 tracing::info!(mode = %c.mode, memory_pressure = ?c.pressure, cause = %c.cause, "policy reloaded")
@@ -280,6 +285,12 @@ impl Daemon {
     /// What the mode in force sets.
     pub fn tuning(&self) -> Tuning {
         self.policy.lock().tuning()
+    }
+
+    /// How a demotion now chooses each page's format (the mode's format, adaptive precision and
+    /// per-layer floors).
+    pub fn demotion(&self) -> Demotion {
+        self.policy.lock().demotion()
     }
 
     /// Wakes the tier task.
@@ -402,8 +413,15 @@ impl Daemon {
         crate::migrate::evict::fit_quota(&mut core, self.flash.as_ref(), session_id, blocks)?;
         if self.config.tiers.any() && !core.pool.fits(caller.uid, room.frame_len, room.count) {
             // Make room below rather than refuse: demote the coldest pages of any session.
-            let format = self.tuning().demote_format;
-            tiering::make_room(&mut core, self.flash.as_ref(), format, room, &HashSet::new(), &mut Scratch::default())?;
+            let demotion = self.demotion();
+            tiering::make_room(
+                &mut core,
+                self.flash.as_ref(),
+                &demotion,
+                room,
+                &HashSet::new(),
+                &mut Scratch::default(),
+            )?;
             self.wake_tiers();
         }
         let Core { pool, sessions, .. } = &mut *core;
@@ -634,8 +652,8 @@ impl Daemon {
             frame_len: missing.iter().map(|(_, p)| p.footprint()).max().unwrap_or(0),
             count: missing.len() as u64,
         };
-        let format = self.tuning().demote_format;
-        tiering::make_room(&mut core, self.flash.as_ref(), format, room, &protect, &mut scratch)?;
+        let demotion = self.demotion();
+        tiering::make_room(&mut core, self.flash.as_ref(), &demotion, room, &protect, &mut scratch)?;
         for &(r, place) in &missing {
             if matches!(place, Place::Dram(_)) {
                 tiering::promote_from_dram(&mut core, r, &mut scratch)?;
@@ -764,8 +782,8 @@ impl Daemon {
             })
             .copied()
             .collect();
-        let format = self.tuning().demote_format;
-        tiering::demote_to_dram(&mut core, format, &on_device, &mut Scratch::default())?;
+        let demotion = self.demotion();
+        tiering::demote_to_dram(&mut core, &demotion, &on_device, &mut Scratch::default())?;
         if let (TierKind::Flash, Some(flash)) = (to, self.flash.as_ref()) {
             let s = core.sessions.get_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
             let in_dram: Vec<PageRef> = refs

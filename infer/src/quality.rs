@@ -150,28 +150,8 @@ pub fn allocate_by_mass(shape: PageShape, mass: &[f64], q8_share: f64) -> Vec<Fo
 /// [`allocate_by_mass`] within `budget` bytes instead of uniform q4's (all q2 when even that does
 /// not fit).
 pub fn allocate_by_mass_within(shape: PageShape, mass: &[f64], q8_share: f64, budget: u64) -> Vec<Format> {
-    let n = mass.len();
-    let mut order: Vec<usize> = (0..n).collect();
-    order.sort_by(|&a, &b| mass[b].total_cmp(&mass[a]).then(b.cmp(&a)));
-    let bytes = |f: Format| shape.page_bytes(f) as u64;
-    let mut formats = vec![Format::Q4; n];
-    let mut q8 = ((q8_share * n as f64).round() as usize).min(n);
-    // No more q8 pages than q2 pages can pay for.
-    while q8 > 0 && q8 as u64 * bytes(Format::Q8) + (n - q8) as u64 * bytes(Format::Q2) > budget {
-        q8 -= 1;
-    }
-    for &p in &order[..q8] {
-        formats[p] = Format::Q8;
-    }
-    let mut total = q8 as u64 * bytes(Format::Q8) + (n - q8) as u64 * bytes(Format::Q4);
-    for &p in order[q8..].iter().rev() {
-        if total <= budget {
-            break;
-        }
-        formats[p] = Format::Q2;
-        total -= bytes(Format::Q4) - bytes(Format::Q2);
-    }
-    formats
+    let ladder = kvmm_kernels::precision::Ladder { hi: Format::Q8, mid: Format::Q4, lo: Format::Q2 };
+    kvmm_kernels::precision::allocate_by_mass(shape, mass, ladder, q8_share, budget)
 }
 
 /// The score of one query position of one layer.

@@ -15,6 +15,9 @@
 //!   [`attention::reference`] is a dense `f64` ground truth for tests. [`select_pages`] ranks pages
 //!   by an upper bound of their scores from the key bounds (Quest) and keeps the best under a page
 //!   budget; [`decode_attention_selected`] attends over those only.
+//! - [`precision`]: adaptive precision, the format each page of a layer keeps when compressed,
+//!   chosen from its attention mass on a [`precision::Ladder`] at a uniform format's bytes
+//!   ([`precision::allocate_by_mass`]).
 //! - [`error`]: [`KernelError`], the one error type.
 //!
 //! No I/O, no async, no allocation on the per-page path. `unsafe` lives only in the per-ISA kernel
@@ -23,6 +26,7 @@
 pub mod attention;
 pub mod error;
 pub mod format;
+pub mod precision;
 
 pub use attention::reference::{reference_attention_f32, reference_token_mass};
 pub use attention::{

@@ -54,6 +54,8 @@ fn an_opted_in_session_runs_16k_tokens_under_a_2k_quota_while_another_loses_noth
             "16",
             "--heavy-every",
             "8",
+            "--hot-scale",
+            "3",
             "--seed",
             "22",
         ],

@@ -56,7 +56,8 @@ const TIER_TICK: Duration = Duration::from_millis(20);
 /// the low watermarks. The mode in force ([`crate::policy::mode::Tuning`], read on every pass) sets
 /// the watermarks, the demotion format and the byte rates of background migration and of flash
 /// writes; the pure planner ([`plan::plan`]) turns them and the pools' state into the bytes this
-/// pass moves. Runs until the daemon shuts down.
+/// pass moves, and the `[policy]` precision settings ([`crate::policy::precision::Demotion`])
+/// refine the format per page. Runs until the daemon shuts down.
 pub fn tier_task(daemon: Arc<Daemon>) {
     let mut scratch = tiering::Scratch::default();
     let none = std::collections::HashSet::new();
@@ -76,7 +77,10 @@ pub fn tier_task(daemon: Arc<Daemon>) {
             }
             *wanted = false;
         }
-        let tuning = daemon.tuning();
+        let (tuning, demotion) = {
+            let policy = daemon.policy.lock();
+            (policy.tuning(), policy.demotion())
+        };
         let now = Instant::now();
         let plan = {
             let core = daemon.core.lock();
@@ -108,7 +112,7 @@ pub fn tier_task(daemon: Arc<Daemon>) {
         if plan.demote_device > 0 {
             let mut core = daemon.core.lock();
             let flash = daemon.flash.as_ref();
-            match tiering::demote_coldest(&mut core, flash, tuning.demote_format, plan.demote_device, &mut scratch) {
+            match tiering::demote_coldest(&mut core, flash, &demotion, plan.demote_device, &mut scratch) {
                 Ok(moved) => {
                     background.spend(moved);
                     core.tier_counters.background_bytes += moved;

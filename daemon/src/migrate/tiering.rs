@@ -2,9 +2,11 @@
 //! through the pin/migrate protocol so clients keep running.
 //!
 //! - **Device → DRAM** ([`demote_to_dram`]): claim the page (a pinned page is skipped), read its
-//!   frame, encode a full 16-bit page in the demotion format (q8 by default; `None` keeps it
-//!   bit-exact), store it in the pool (sealed when configured), publish it evicted (`ALLOCATED`
-//!   without `RESIDENT`, so clients fault it back), free the frame.
+//!   frame, encode a full 16-bit page in the format the [`Demotion`] gives it (the mode's format,
+//!   q8 by default, per page by attention mass with adaptive precision, never below its layer's
+//!   floor; `None` keeps it bit-exact; see [`crate::policy::precision`]), store it in the pool
+//!   (sealed when configured), publish it evicted (`ALLOCATED` without `RESIDENT`, so clients
+//!   fault it back), free the frame.
 //! - **DRAM → flash**, in three phases so flash I/O never runs under the core lock:
 //!   [`take_from_dram`] copies the pages out of the pool (core lock), [`write_to_flash`] seals and
 //!   writes them (flash lock only), [`commit_to_flash`] switches every page that is still where it
@@ -40,6 +42,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 use crate::daemon::Core;
 use crate::error::{Error, Result};
+use crate::policy::precision::{self, Demotion};
 use crate::pool::Frame;
 use crate::session::page_table::Place;
 use crate::session::{Priority, Session};
@@ -153,18 +156,49 @@ pub fn keeps_precision(block: u32, block_tokens: u32, tokens: u64) -> bool {
     block == 0 || (u64::from(block) + 1) * u64::from(block_tokens) + RECENT_WINDOW_TOKENS > tokens
 }
 
-/// Moves `pages` from the device to the DRAM pool (module doc); returns how many moved. Stops at
-/// the first page the pool has no room for.
-pub fn demote_to_dram(
-    core: &mut Core,
-    format: Option<Format>,
-    pages: &[PageRef],
-    scratch: &mut Scratch,
-) -> Result<u32> {
+/// What one demotion decided for one layer of one session, once per [`demote_to_dram`] call.
+#[derive(Debug)]
+struct LayerPlan {
+    /// Tokens the client has published in the layer (where the recent window ends).
+    written: u64,
+    /// The format adaptive precision gives each candidate page (full, neither the sink page nor
+    /// in the recent window), by block; empty when the demotion does not rank pages.
+    allocated: HashMap<u32, Format>,
+    /// The layer's floor.
+    floor: Option<Format>,
+}
+
+impl LayerPlan {
+    /// Ranks the layer's candidate pages, wherever they live and in whatever format, by the
+    /// attention mass the client recorded (clamped: a client can only misplace its own pages).
+    fn of(s: &Session, layer: u32, demotion: &Demotion) -> LayerPlan {
+        let g = s.geometry;
+        let bt = g.block_tokens;
+        let written = s.layer_tokens(layer);
+        let mut allocated = HashMap::new();
+        if let (true, Some(mode)) = (demotion.ranks_pages(), demotion.format) {
+            let candidates: Vec<(u32, f64)> = (0..s.pages.allocated_blocks())
+                .filter(|&b| s.pages.page(layer, b).is_some() && !keeps_precision(b, bt, written))
+                .filter_map(|b| {
+                    let client = s.region.entry(layer, b).ok()?;
+                    (client.tokens_clamped(bt) == bt).then(|| (b, f64::from(client.importance_clamped())))
+                })
+                .collect();
+            let mass: Vec<f64> = candidates.iter().map(|&(_, m)| m).collect();
+            let formats = precision::layer_formats(g.page_shape(), g.format(), mode, &mass);
+            allocated = candidates.iter().map(|&(b, _)| b).zip(formats).collect();
+        }
+        LayerPlan { written, allocated, floor: demotion.floors.of(layer, g.layers) }
+    }
+}
+
+/// Moves `pages` from the device to the DRAM pool (module doc), each in the format `demotion`
+/// gives it; returns how many moved. Stops at the first page the pool has no room for.
+pub fn demote_to_dram(core: &mut Core, demotion: &Demotion, pages: &[PageRef], scratch: &mut Scratch) -> Result<u32> {
     let Core { pool, sessions, dram, tier_counters, .. } = core;
     let Some(dram) = dram.as_mut() else { return Ok(0) };
     let mut moved = 0;
-    let mut layer_tokens: HashMap<(u64, u32), u64> = HashMap::new();
+    let mut plans: HashMap<(u64, u32), LayerPlan> = HashMap::new();
     for &r in pages {
         let Some(s) = sessions.get_mut_unchecked(r.session) else { continue };
         let Some(page) = s.pages.page(r.layer, r.block) else { continue };
@@ -172,17 +206,10 @@ pub fn demote_to_dram(
         let g = s.geometry;
         let shape = g.page_shape();
         let tokens = s.region.entry(r.layer, r.block)?.tokens_clamped(g.block_tokens);
-        let written = *layer_tokens.entry((r.session, r.layer)).or_insert_with(|| s.layer_tokens(r.layer));
-        let target = match format {
-            Some(f)
-                if !page.format.is_quantized()
-                    && tokens == g.block_tokens
-                    && !keeps_precision(r.block, g.block_tokens, written) =>
-            {
-                f
-            }
-            _ => page.format,
-        };
+        let plan = plans.entry((r.session, r.layer)).or_insert_with(|| LayerPlan::of(s, r.layer, demotion));
+        let candidate = tokens == g.block_tokens && !keeps_precision(r.block, g.block_tokens, plan.written);
+        let allocated = plan.allocated.get(&r.block).copied();
+        let target = precision::target_format(page.format, candidate, allocated, demotion.format, plan.floor);
         let entry = s.table.entry_writer(r.layer, r.block)?;
         let client = s.region.entry(r.layer, r.block)?;
         let uid = s.owner.uid;
@@ -482,7 +509,7 @@ impl Room {
 pub fn make_room(
     core: &mut Core,
     flash: Option<&Mutex<FlashFile>>,
-    format: Option<Format>,
+    demotion: &Demotion,
     room: Room,
     protect: &HashSet<PageRef>,
     scratch: &mut Scratch,
@@ -504,7 +531,7 @@ pub fn make_room(
         if victims.is_empty() {
             return Ok(false);
         }
-        let moved = demote_to_dram(core, format, &victims, scratch)?;
+        let moved = demote_to_dram(core, demotion, &victims, scratch)?;
         if moved == 0 {
             // DRAM is full (or absent): push its coldest pages to flash, then try again.
             let Some(flash) = flash else { return Ok(false) };
@@ -523,7 +550,7 @@ pub fn make_room(
 pub fn demote_coldest(
     core: &mut Core,
     flash: Option<&Mutex<FlashFile>>,
-    format: Option<Format>,
+    demotion: &Demotion,
     bytes: u64,
     scratch: &mut Scratch,
 ) -> Result<u64> {
@@ -532,12 +559,12 @@ pub fn demote_coldest(
     if victims.is_empty() {
         return Ok(0);
     }
-    if demote_to_dram(core, format, &victims, scratch)? == 0
+    if demote_to_dram(core, demotion, &victims, scratch)? == 0
         && let Some(flash) = flash
     {
         let spill = victims.iter().filter_map(|r| footprint(core, *r)).sum::<u64>();
         if spill_dram(core, flash, spill, &HashSet::new())? > 0 {
-            demote_to_dram(core, format, &victims, scratch)?;
+            demote_to_dram(core, demotion, &victims, scratch)?;
         }
     }
     Ok(before.saturating_sub(core.pool.used()))

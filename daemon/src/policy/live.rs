@@ -1,5 +1,5 @@
-//! The policy in a running daemon: the planner's state, the [`Tuning`] in force, the last sensor
-//! reading, and the thread that keeps them current.
+//! The policy in a running daemon: the planner's state, the [`Tuning`] in force, the precision
+//! settings of demoted pages, the last sensor reading, and the thread that keeps them current.
 //!
 //! The policy thread reads the sensors every `policy.interval` (sooner when the kernel's PSI
 //! trigger fires), feeds the reading to the [`Planner`], logs every mode or pressure change with its
@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::mode::{Change, Mode, ModePolicy, Planner, Pressure, Tuning, tuning};
+use super::precision::{Demotion, PrecisionPolicy};
 use super::sensors::{HostRoot, PressureWatch, Signals};
 use crate::config::Resolved;
 use crate::daemon::Daemon;
@@ -24,6 +25,8 @@ const PSI_WINDOW_US: u64 = 2_000_000;
 pub struct LivePolicy {
     planner: Planner,
     tuning: Tuning,
+    /// Adaptive precision and floors: from the configuration at start, replaced by a reload.
+    precision: PrecisionPolicy,
     signals: Signals,
     changes: u64,
     since: Instant,
@@ -48,6 +51,8 @@ pub struct PolicyView {
     pub held_for: Duration,
     /// What the mode sets.
     pub tuning: Tuning,
+    /// Adaptive precision and floors.
+    pub precision: PrecisionPolicy,
     /// The last reading.
     pub signals: Signals,
     /// How memory pressure is watched.
@@ -62,6 +67,7 @@ impl LivePolicy {
         LivePolicy {
             planner,
             tuning,
+            precision: config.policy.precision.clone(),
             signals: Signals::default(),
             changes: 0,
             since: Instant::now(),
@@ -73,6 +79,16 @@ impl LivePolicy {
     /// The tuning in force.
     pub fn tuning(&self) -> Tuning {
         self.tuning
+    }
+
+    /// How a demotion now chooses each page's format: the mode's format with the configured
+    /// adaptive precision and floors.
+    pub fn demotion(&self) -> Demotion {
+        Demotion {
+            format: self.tuning.demote_format,
+            adaptive: self.precision.adaptive,
+            floors: self.precision.floors.clone(),
+        }
     }
 
     /// Takes a reading: returns the change, if the mode or pressure changed.
@@ -93,10 +109,11 @@ impl LivePolicy {
         change
     }
 
-    /// Replaces the planner's thresholds (a reload) and applies them to the last reading at once;
-    /// returns the change, if the mode or pressure changed.
-    pub fn reload(&mut self, config: &Resolved, modes: ModePolicy) -> Option<Change> {
+    /// Replaces the planner's thresholds and the precision settings (a reload) and applies them
+    /// to the last reading at once; returns the change, if the mode or pressure changed.
+    pub fn reload(&mut self, config: &Resolved, modes: ModePolicy, precision: PrecisionPolicy) -> Option<Change> {
         self.planner.set_policy(modes);
+        self.precision = precision;
         let signals = std::mem::take(&mut self.signals);
         self.observe(config, signals)
     }
@@ -110,6 +127,7 @@ impl LivePolicy {
             changes: self.changes,
             held_for: self.since.elapsed(),
             tuning: self.tuning,
+            precision: self.precision.clone(),
             signals: self.signals.clone(),
             pressure_watch: self.pressure_watch.clone(),
         }

@@ -243,5 +243,7 @@ fn policy_status(v: &PolicyView) -> pb::PolicyStatus {
         mem_available_bytes: s.memory.mem_available.unwrap_or(0),
         pressure_watch: v.pressure_watch.clone(),
         sensor_problems: s.problems.clone(),
+        adaptive_precision: v.precision.adaptive,
+        layer_floors: v.precision.floors.iter().map(ToString::to_string).collect(),
     }
 }

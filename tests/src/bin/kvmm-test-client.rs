@@ -18,6 +18,9 @@
 //!   attends after every K-th token only; `--heavy-every H` scales up the keys of every H-th page
 //!   (heavy hitters). With a quota, every attention checks that no page eviction must keep was
 //!   dropped, and reports print `quota ... heavy_kept=KEPT/ELIGIBLE`.
+//!   `--hot-blocks 9,30 [--hot-scale 8]` scales the keys of those blocks (every layer), so random
+//!   queries give them most of the attention mass; `formats` prints the format each page of each
+//!   layer is read in, after a checked attention.
 //! - `append-forever [geometry]`: append and attend until killed, printing `progress tokens=T`.
 //! - `raw-attach [geometry] [--fetch]`: Attach over gRPC without the library; print the session id
 //!   and token (and, with --fetch, the received arena's inode), then wait for `exit`.
@@ -142,24 +145,58 @@ struct Checked {
     via: Option<kvmm_kernels::format::Format>,
     /// `--attend-every K`: attention on every layer after every K-th appended token only.
     attend_every: usize,
-    /// `--heavy-every H`: the keys of every H-th page (blocks 1, 1 + H, ...) are scaled up so the
-    /// pages draw more attention (heavy hitters); 0: none.
-    heavy_every: u32,
+    /// `--hot-blocks`, `--hot-scale`: blocks whose keys are scaled, and by how much.
+    hot: Hot,
+}
+
+/// Blocks whose keys are scaled up so that they draw most of the attention mass: `--hot-blocks`
+/// names them, `--heavy-every H` takes every H-th (blocks 1, 1 + H, ...).
+#[derive(Default)]
+struct Hot {
+    blocks: Vec<usize>,
+    every: u32,
+    scale: f32,
+}
+
+impl Hot {
+    fn parse(a: &Args) -> Hot {
+        let blocks = a.0.get("hot-blocks").map_or(Vec::new(), |list| {
+            list.split(',').map(|b| b.trim().parse().expect("--hot-blocks takes block numbers")).collect()
+        });
+        Hot { blocks, every: a.get("heavy-every", 0), scale: a.get("hot-scale", 8.0) }
+    }
+
+    /// Whether `block` is hot.
+    fn is_hot(&self, block: u32) -> bool {
+        self.blocks.contains(&(block as usize)) || (self.every > 0 && block % self.every == 1)
+    }
+
+    /// The key row of token `token`, scaled when its block is hot.
+    fn heat(&self, block_tokens: u32, token: usize, mut k: Vec<f32>) -> Vec<f32> {
+        if self.is_hot((token / block_tokens as usize) as u32) {
+            k.iter_mut().for_each(|x| *x *= self.scale);
+        }
+        k
+    }
+}
+
+/// The name of the format a page was read in (`dropped` for a page eviction dropped).
+fn page_format_name(format: &Option<kvmm_kernels::format::Format>) -> &'static str {
+    format.map_or("dropped", |f| f.name())
 }
 
 impl Checked {
-    /// Whether `block` is one of the `--heavy-every` pages.
+    /// Whether `block` is one of the hot pages.
     fn heavy(&self, block: u32) -> bool {
-        self.heavy_every > 0 && block % self.heavy_every == 1
+        self.hot.is_hot(block)
     }
 
     fn append(&mut self, n: usize, attend: bool) {
         let row = (self.g.kv_heads * self.g.head_dim) as usize;
         for i in 0..n {
             for layer in 0..self.g.layers {
-                let block = self.session.tokens(layer) / self.g.block_tokens;
-                let boost = if self.heavy(block) { 3.0 } else { 1.0 };
-                let k: Vec<f32> = self.rng.vec(row).into_iter().map(|x| x * boost).collect();
+                let token = self.keys[layer as usize].len() / row;
+                let k = self.hot.heat(self.g.block_tokens, token, self.rng.vec(row));
                 let v = if self.canary { canary_row(row) } else { self.rng.vec(row) };
                 self.session.append(layer, &k, &v).unwrap_or_else(|e| die(e));
                 let et = self.g.element_type;
@@ -328,6 +365,16 @@ impl Checked {
         );
     }
 
+    /// One checked attention per layer, then the format each of its pages was read in:
+    /// `formats layer=L pages=f16,q8,q4,...`.
+    fn print_formats(&mut self) {
+        for layer in 0..self.g.layers {
+            self.attend(layer);
+            let names: Vec<&str> = self.session.last_formats().iter().map(page_format_name).collect();
+            println!("formats layer={layer} pages={}", names.join(","));
+        }
+    }
+
     fn round(&mut self) {
         for layer in 0..self.g.layers {
             self.attend(layer);
@@ -428,7 +475,7 @@ fn run(a: &Args, forever: bool) {
                 .unwrap_or_else(|| panic!("unknown format {name}"))
         }),
         attend_every: a.get("attend-every", 1usize).max(1),
-        heavy_every: a.get("heavy-every", 0),
+        hot: Hot::parse(a),
     };
     println!("attached session={}", c.session.id());
     if forever {
@@ -478,6 +525,7 @@ fn run(a: &Args, forever: bool) {
             }
             (Some("stats"), _) => c.report("stats"),
             (Some("digest"), _) => c.digest(),
+            (Some("formats"), _) => c.print_formats(),
             (Some("prefetch"), _) => {
                 let blocks = c.session.allocated_blocks();
                 let (resident, scheduled) = c.session.prefetch(0..g.layers, 0..blocks).unwrap_or_else(|e| die(e));
