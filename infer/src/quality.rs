@@ -94,11 +94,15 @@ pub enum Scheme {
     /// scored ones (what a running daemon knows), the top [`ADAPTIVE_Q8_SHARE`] stored as q8, the
     /// fewest lowest-mass pages as q2 that bring the bytes back to uniform q4's, the rest q4.
     Adaptive,
-    /// A per-layer floor: the layers in the bit mask keep every old page at q8; the others run
-    /// [`Scheme::Adaptive`] with what is left of uniform q4's bytes over all layers.
+    /// A per-layer floor at uniform q4's bytes over all layers: the layers in the bit mask never
+    /// store an old page below `format` ([`allocate_by_mass_above`]); the others share what is
+    /// left, each within an equal budget by [`allocate_by_mass_sparing_q2`] (they give up q8 pages
+    /// before they take more q2 pages than [`Scheme::Adaptive`] has).
     Floored {
-        /// Bit `l` set: layer `l` never below q8.
+        /// Bit `l` set: layer `l` is floored.
         layers: u64,
+        /// The fewest bits an old page of a floored layer gets.
+        format: Format,
     },
     /// The KIVI comparison at 4 bits: old keys quantized per token in groups of 32 channels
     /// ([`per_token`]), old values as in q4 (dequantized from the q4 page); simulated in `f32`,
@@ -114,9 +118,9 @@ impl Scheme {
             Scheme::Selected { format, fraction } => format!("{} top {}%", format.name(), fraction * 100.0),
             Scheme::PerTokenKeysQ4 => "q4 per-token keys".to_owned(),
             Scheme::Adaptive => "adaptive q8/q4/q2".to_owned(),
-            Scheme::Floored { layers } => {
-                let list: Vec<String> = (0..64).filter(|l| layers >> l & 1 == 1).map(|l| l.to_string()).collect();
-                format!("adaptive, layers {} at q8", list.join(","))
+            Scheme::Floored { layers, format } => {
+                let noun = if layers.count_ones() == 1 { "layer" } else { "layers" };
+                format!("adaptive, {noun} {} never below {}", layer_ranges(*layers), format.name())
             }
         }
     }
@@ -128,6 +132,26 @@ impl Scheme {
             Scheme::PerTokenKeysQ4 | Scheme::Adaptive | Scheme::Floored { .. } => Format::Q4,
         }
     }
+}
+
+/// The layers of a bit mask as inclusive ranges, the way a policy names them: `7..=8, 18`; `none`
+/// for an empty mask.
+pub fn layer_ranges(mask: u64) -> String {
+    let mut ranges = Vec::new();
+    let mut l = 0;
+    while l < 64 {
+        if mask >> l & 1 == 0 {
+            l += 1;
+            continue;
+        }
+        let first = l;
+        while l + 1 < 64 && mask >> (l + 1) & 1 == 1 {
+            l += 1;
+        }
+        ranges.push(if first == l { l.to_string() } else { format!("{first}..={l}") });
+        l += 1;
+    }
+    if ranges.is_empty() { "none".to_owned() } else { ranges.join(", ") }
 }
 
 /// Positions before the scored ones whose attention mass ranks the pages of [`Scheme::Adaptive`].
@@ -152,6 +176,48 @@ pub fn allocate_by_mass(shape: PageShape, mass: &[f64], q8_share: f64) -> Vec<Fo
 pub fn allocate_by_mass_within(shape: PageShape, mass: &[f64], q8_share: f64, budget: u64) -> Vec<Format> {
     let ladder = kvmm_kernels::precision::Ladder { hi: Format::Q8, mid: Format::Q4, lo: Format::Q2 };
     kvmm_kernels::precision::allocate_by_mass(shape, mass, ladder, q8_share, budget)
+}
+
+/// Bits per K/V element pair of `format`'s codes: the order in which a floor compares formats.
+fn code_bits(format: Format) -> u32 {
+    format.k_bits() + format.v_bits()
+}
+
+/// [`allocate_by_mass`] with every page below `floor` raised to it: at a q4 floor the top
+/// `q8_share` by mass q8 and the rest q4 (no q2 page), at k8v4 the rest k8v4, at q8 every page q8.
+/// Such a layer spends more than uniform q4's bytes whenever `floor` has more bits than q2; what it
+/// spends depends only on the number of pages, not on their masses.
+pub fn allocate_by_mass_above(shape: PageShape, mass: &[f64], q8_share: f64, floor: Format) -> Vec<Format> {
+    allocate_by_mass(shape, mass, q8_share)
+        .into_iter()
+        .map(|f| if code_bits(f) < code_bits(floor) { floor } else { f })
+        .collect()
+}
+
+/// [`allocate_by_mass_within`] `budget`, where a budget below uniform q4's is met first by giving
+/// up q8 pages (the lowest-mass ones) and only then by more q2 pages: while a q8 page is left, no
+/// more q2 pages than [`allocate_by_mass`] has at uniform q4's bytes.
+///
+/// Measured on SmolLM2's K/V (`kvmm-kv-quality`): a q2 page is what a layer pays for a wrong
+/// ranking (a page with little mass in the history that draws attention later: layer 7's max
+/// error jumps from 21% to 76% with its ninth q2 page), while a q8 page given up costs it only the
+/// difference between q8's error and q4's on that page.
+pub fn allocate_by_mass_sparing_q2(shape: PageShape, mass: &[f64], q8_share: f64, budget: u64) -> Vec<Format> {
+    let n = mass.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let q2_pages = |formats: &[Format]| formats.iter().filter(|&&f| f == Format::Q2).count();
+    let most_q2 = q2_pages(&allocate_by_mass(shape, mass, q8_share));
+    let mut q8 = ((q8_share * n as f64).round() as usize).min(n);
+    loop {
+        // `q8 / n` of `n` pages rounds back to `q8`.
+        let formats = allocate_by_mass_within(shape, mass, q8 as f64 / n as f64, budget);
+        if q8 == 0 || q2_pages(&formats) <= most_q2 {
+            return formats;
+        }
+        q8 -= 1;
+    }
 }
 
 /// The score of one query position of one layer.
@@ -516,9 +582,10 @@ impl<'a> Evaluation<'a> {
         })
     }
 
-    /// The formats [`Scheme::Adaptive`] gives a layer's old pages: ranked by the mass the fused
-    /// kernel reports over f16 pages for the [`ADAPTIVE_HISTORY`] positions before the scored ones.
-    fn adaptive_formats(&self, layer: usize, k: &[f32], v: &[f32], budget: u64) -> Result<Vec<Format>, InferError> {
+    /// The attention mass the fused kernel reports for each old page of `layer` over f16 pages,
+    /// summed over the [`ADAPTIVE_HISTORY`] positions before the scored ones (what a running daemon
+    /// knows): what ranks the pages of [`Scheme::Adaptive`] and [`Scheme::Floored`].
+    fn page_mass(&self, layer: usize, k: &[f32], v: &[f32]) -> Result<Vec<f64>, InferError> {
         let g = &self.geometry;
         let data = &self.trace.layers[layer];
         let pages = LayerPages::build(g, Format::F16, k, v)?;
@@ -536,20 +603,51 @@ impl<'a> Evaluation<'a> {
                 *m += f64::from(*pm);
             }
         }
-        Ok(allocate_by_mass_within(g.page_shape(), &mass, ADAPTIVE_Q8_SHARE, budget))
+        Ok(mass)
     }
 
-    /// Bytes each layer outside the floor may spend on its old pages so that all layers together
-    /// spend uniform q4's bytes.
-    fn floored_budget(&self, floor: u64) -> u64 {
+    /// The formats `scheme` gives the old pages of `layer` (padded rows `k`, `v`), page by page;
+    /// `None` for the schemes with one format for every old page.
+    fn layer_formats(
+        &self,
+        scheme: Scheme,
+        layer: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<Option<Vec<Format>>, InferError> {
+        let shape = self.geometry.page_shape();
+        let formats = match scheme {
+            Scheme::Adaptive => allocate_by_mass(shape, &self.page_mass(layer, k, v)?, ADAPTIVE_Q8_SHARE),
+            Scheme::Floored { layers, format } if layers >> layer & 1 == 1 => {
+                allocate_by_mass_above(shape, &self.page_mass(layer, k, v)?, ADAPTIVE_Q8_SHARE, format)
+            }
+            Scheme::Floored { layers, format } => allocate_by_mass_sparing_q2(
+                shape,
+                &self.page_mass(layer, k, v)?,
+                ADAPTIVE_Q8_SHARE,
+                self.floored_budget(layers, format),
+            ),
+            _ => return Ok(None),
+        };
+        Ok(Some(formats))
+    }
+
+    /// Bytes each layer outside the floor (`mask`, at `format`) may spend on its old pages so that
+    /// all layers together spend at most uniform q4's bytes; 0 when the floored layers alone spend
+    /// more.
+    fn floored_budget(&self, mask: u64, format: Format) -> u64 {
         let g = &self.geometry;
+        let shape = g.page_shape();
         let layers = self.trace.layers.len() as u64;
-        let floored = (0..layers).filter(|l| floor >> l & 1 == 1).count() as u64;
-        let page = |f: Format| g.quantized_pages as u64 * g.page_shape().page_bytes(f) as u64;
-        if floored >= layers {
-            return page(Format::Q8);
-        }
-        (layers * page(Format::Q4)).saturating_sub(floored * page(Format::Q8)) / (layers - floored)
+        let floored = (0..layers).filter(|l| mask >> l & 1 == 1).count() as u64;
+        // What a floored layer spends depends only on its page count, not on the masses.
+        let floored_layer: u64 =
+            allocate_by_mass_above(shape, &vec![0.0; g.quantized_pages], ADAPTIVE_Q8_SHARE, format)
+                .iter()
+                .map(|&f| shape.page_bytes(f) as u64)
+                .sum();
+        let uniform_q4 = g.quantized_pages as u64 * shape.page_bytes(Format::Q4) as u64;
+        (layers * uniform_q4).saturating_sub(floored * floored_layer) / (layers - floored).max(1)
     }
 
     /// Scores of one layer, and the bytes of its old pages.
@@ -557,15 +655,9 @@ impl<'a> Evaluation<'a> {
         let g = &self.geometry;
         let data = &self.trace.layers[layer];
         let (k, v) = (g.pad(&data.k), g.pad(&data.v));
-        let uniform_q4 = g.quantized_pages as u64 * g.page_shape().page_bytes(Format::Q4) as u64;
-        let pages = match scheme {
-            Scheme::Adaptive => LayerPages::build_with(g, &self.adaptive_formats(layer, &k, &v, uniform_q4)?, &k, &v)?,
-            Scheme::Floored { layers } if layers >> layer & 1 == 1 => LayerPages::build(g, Format::Q8, &k, &v)?,
-            Scheme::Floored { layers } => {
-                let budget = self.floored_budget(layers);
-                LayerPages::build_with(g, &self.adaptive_formats(layer, &k, &v, budget)?, &k, &v)?
-            }
-            _ => LayerPages::build(g, scheme.format(), &k, &v)?,
+        let pages = match self.layer_formats(scheme, layer, &k, &v)? {
+            Some(formats) => LayerPages::build_with(g, &formats, &k, &v)?,
+            None => LayerPages::build(g, scheme.format(), &k, &v)?,
         };
         let old_bytes: u64 = pages.pages[..g.quantized_pages].iter().map(|(_, bytes, _)| bytes.len() as u64).sum();
         let (q_dim, padded_q_dim) = (g.heads * g.head_dim, g.heads * g.padded);
@@ -757,16 +849,124 @@ mod tests {
     }
 
     #[test]
-    fn a_q8_floor_on_one_layer_is_paid_for_by_the_others() {
+    fn a_floor_never_stores_a_page_below_its_format_and_keeps_the_q8_pages() {
+        let shape = PageShape { kv_heads: 3, head_dim: 64, block_tokens: 32 };
+        let mass: Vec<f64> = (0..60).map(|p| ((p * 37) % 60) as f64).collect();
+        let adaptive = allocate_by_mass(shape, &mass, 0.05);
+        assert_eq!(allocate_by_mass_above(shape, &mass, 0.05, Format::Q2), adaptive);
+        let bytes = |formats: &[Format]| formats.iter().map(|&f| shape.page_bytes(f)).sum::<usize>();
+        for floor in [Format::Q4, Format::K8V4, Format::Q8] {
+            let formats = allocate_by_mass_above(shape, &mass, 0.05, floor);
+            for (p, (&f, &a)) in formats.iter().zip(&adaptive).enumerate() {
+                assert!(code_bits(f) >= code_bits(floor), "{floor}: page {p} is {f}");
+                assert_eq!(f == Format::Q8, a == Format::Q8 || floor == Format::Q8, "{floor}: page {p}");
+            }
+            assert!(bytes(&formats) > 60 * shape.page_bytes(Format::Q4), "{floor} costs more than uniform q4");
+            // What a floored layer spends does not depend on the masses (the budget relies on it).
+            let reversed: Vec<f64> = mass.iter().rev().copied().collect();
+            assert_eq!(bytes(&allocate_by_mass_above(shape, &reversed, 0.05, floor)), bytes(&formats));
+        }
+    }
+
+    #[test]
+    fn a_smaller_budget_gives_up_q8_pages_before_it_takes_more_q2_pages() {
+        let shape = PageShape { kv_heads: 3, head_dim: 64, block_tokens: 32 };
+        let mass: Vec<f64> = (0..60).map(|p| ((p * 37) % 60) as f64).collect();
+        let count = |formats: &[Format], format: Format| formats.iter().filter(|&&f| f == format).count();
+        let bytes = |formats: &[Format]| formats.iter().map(|&f| shape.page_bytes(f) as u64).sum::<u64>();
+        let adaptive = allocate_by_mass(shape, &mass, 0.05);
+        let (q8_adaptive, q2_adaptive) = (count(&adaptive, Format::Q8), count(&adaptive, Format::Q2));
+        assert_eq!((q8_adaptive, q2_adaptive), (3, 6));
+        let uniform_q4 = 60 * shape.page_bytes(Format::Q4) as u64;
+        assert_eq!(allocate_by_mass_sparing_q2(shape, &mass, 0.05, uniform_q4), adaptive);
+        let step = (shape.page_bytes(Format::Q4) - shape.page_bytes(Format::Q2)) as u64;
+        let mut last_q8 = q8_adaptive;
+        for short in 1..=30 {
+            let budget = uniform_q4 - short * step;
+            let formats = allocate_by_mass_sparing_q2(shape, &mass, 0.05, budget);
+            let (q8, q2) = (count(&formats, Format::Q8), count(&formats, Format::Q2));
+            assert!(bytes(&formats) <= budget, "{short} pages short: {} > {budget}", bytes(&formats));
+            assert!(q8 <= last_q8, "{short} pages short: {q8} q8 pages, {last_q8} with more bytes");
+            if q8 > 0 {
+                assert!(q2 <= q2_adaptive, "{short} pages short: {q2} q2 pages while {q8} q8 pages are left");
+            }
+            // allocate_by_mass_within keeps the q8 pages and pays with q2 pages instead.
+            let within = allocate_by_mass_within(shape, &mass, 0.05, budget);
+            assert_eq!(count(&within, Format::Q8), q8_adaptive);
+            assert!(count(&within, Format::Q2) > q2, "{short} pages short");
+            let bits = |f: Format| code_bits(f);
+            for a in 0..60 {
+                for b in 0..60 {
+                    if mass[a] > mass[b] {
+                        assert!(bits(formats[a]) >= bits(formats[b]), "{short} short: page {a} vs {b}");
+                    }
+                }
+            }
+            last_q8 = q8;
+        }
+        assert_eq!(last_q8, 0, "30 pages short, no q8 page is left");
+        assert!(allocate_by_mass_sparing_q2(shape, &[], 0.05, 0).is_empty());
+    }
+
+    #[test]
+    fn a_floor_on_one_layer_is_paid_for_by_the_others_within_uniform_q4_bytes() {
         let trace = trace(4, 256, 64);
         let eval = Evaluation::new(&trace, options()).unwrap();
+        let g = &eval.geometry;
+        let shape = g.page_shape();
         let q4 = eval.score(Scheme::Pages(Format::Q4)).unwrap();
         let adaptive = eval.score(Scheme::Adaptive).unwrap();
-        let floored = eval.score(Scheme::Floored { layers: 1 }).unwrap();
-        assert!(floored.old_bits_per_element <= q4.old_bits_per_element, "{}", floored.old_bits_per_element);
-        assert!(floored.old_bits_per_element > q4.old_bits_per_element * 0.97);
-        assert!(floored.layers[0].mean_rel_error < adaptive.layers[0].mean_rel_error);
-        assert!(floored.layers[1].mean_rel_error > adaptive.layers[1].mean_rel_error, "the others pay");
+        let formats = |scheme: Scheme, layer: usize| {
+            let data = &trace.layers[layer];
+            eval.layer_formats(scheme, layer, &g.pad(&data.k), &g.pad(&data.v)).unwrap().unwrap()
+        };
+        let bytes = |formats: &[Format]| formats.iter().map(|&f| shape.page_bytes(f)).sum::<usize>();
+        for format in [Format::Q4, Format::K8V4, Format::Q8] {
+            let scheme = Scheme::Floored { layers: 1, format };
+            let floored = eval.score(scheme).unwrap();
+            let bits = floored.old_bits_per_element;
+            assert!(bits <= q4.old_bits_per_element, "{format}: {bits}");
+            assert!(bits > q4.old_bits_per_element * 0.97, "{format}: {bits}");
+            assert!(floored.layers[0].mean_rel_error < adaptive.layers[0].mean_rel_error, "{format}");
+            let floor = formats(scheme, 0);
+            assert!(floor.iter().all(|&f| code_bits(f) >= code_bits(format)), "{format}: {floor:?}");
+            assert!(bytes(&floor) > bytes(&formats(Scheme::Adaptive, 0)), "{format}");
+            for layer in 1..4 {
+                let (paying, before) = (formats(scheme, layer), formats(Scheme::Adaptive, layer));
+                assert!(bytes(&paying) < bytes(&before), "{format}: layer {layer} pays");
+            }
+        }
+    }
+
+    #[test]
+    fn a_trace_prefix_is_the_trace_cut_after_its_first_positions() {
+        let whole = trace(2, 128, 16);
+        let cut = whole.prefix(100);
+        assert_eq!(cut.positions(), 100);
+        cut.validate().unwrap();
+        for (layer, t) in [(0, 0), (1, 57), (1, 99)] {
+            assert_eq!(
+                (cut.q(layer, t), cut.k(layer, t), cut.v(layer, t)),
+                (whole.q(layer, t), whole.k(layer, t), whole.v(layer, t))
+            );
+        }
+        assert_eq!(whole.prefix(1000), whole);
+    }
+
+    #[test]
+    fn floored_layers_read_as_ranges() {
+        assert_eq!(layer_ranges(0), "none");
+        assert_eq!(layer_ranges(1 << 18), "18");
+        assert_eq!(layer_ranges(0b110 | 1 << 8 | 1 << 63), "1..=2, 8, 63");
+        assert_eq!(layer_ranges(u64::MAX), "0..=63");
+        assert_eq!(
+            Scheme::Floored { layers: 1 << 18, format: Format::K8V4 }.label(),
+            "adaptive, layer 18 never below k8v4"
+        );
+        assert_eq!(
+            Scheme::Floored { layers: 0b1100, format: Format::Q4 }.label(),
+            "adaptive, layers 2..=3 never below q4"
+        );
     }
 
     #[test]

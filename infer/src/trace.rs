@@ -63,6 +63,26 @@ impl KvTrace {
         &self.layers[layer].v[t * n..][..n]
     }
 
+    /// The trace of the first `positions` positions (all of them when it has fewer): what a
+    /// tracer would have recorded had the sequence stopped there.
+    pub fn prefix(&self, positions: usize) -> KvTrace {
+        let t = positions.min(self.positions());
+        let (q_dim, kv_dim) = (self.config.q_dim(), self.config.kv_dim());
+        KvTrace {
+            config: self.config,
+            tokens: self.tokens[..t].to_vec(),
+            layers: self
+                .layers
+                .iter()
+                .map(|l| LayerTrace {
+                    q: l.q[..t * q_dim].to_vec(),
+                    k: l.k[..t * kv_dim].to_vec(),
+                    v: l.v[..t * kv_dim].to_vec(),
+                })
+                .collect(),
+        }
+    }
+
     /// Checks the invariant in the module documentation; the message says what is off.
     pub fn validate(&self) -> Result<(), String> {
         self.config.validate().map_err(|e| e.to_string())?;

@@ -4,7 +4,9 @@
 //! Prints, per format, a table per layer of the attention output's relative error (mean, p99, max)
 //! and cosine (mean, min) with the old pages in that format and the last `--exact-tokens` tokens
 //! f16; an overall table; the KIVI layout (q4) against per-token 4-bit keys; adaptive precision
-//! (q8/q4/q2 by attention mass) against uniform q4 at equal bytes; page selection at a
+//! (q8/q4/q2 by attention mass) against uniform q4 at equal bytes; a per-layer floor beside both
+//! (`--floor-format` on the layers whose p99 error at q2, measured before the scored positions,
+//! exceeds `--floor-sensitivity` times the median layer's); page selection at a
 //! `--budget` fraction of the context's pages over f16 and q8 pages against full attention; and
 //! whether issue 3's thresholds hold (q8: mean ≤ 1%, p99 ≤ 4%, cosine ≥ 0.9999; q4: mean ≤ 7%,
 //! p99 ≤ 30%, cosine ≥ 0.997).
@@ -15,8 +17,13 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use clap::Parser;
 use kvmm_infer::fixture;
-use kvmm_infer::quality::report::{Style, comparison_table, layer_table, overall_table, percent, selection_table};
-use kvmm_infer::quality::{ADAPTIVE_HISTORY, ADAPTIVE_Q8_SHARE, Evaluation, Quality, QualityOptions, Scheme};
+use kvmm_infer::quality::report::{
+    Style, budget_table, comparison_table, layer_table, overall_table, percent, selection_table,
+};
+use kvmm_infer::quality::{
+    ADAPTIVE_HISTORY, ADAPTIVE_Q8_SHARE, Evaluation, Quality, QualityOptions, Scheme, layer_ranges,
+};
+use kvmm_infer::trace::KvTrace;
 use kvmm_kernels::Format;
 
 /// Score kvmm's compressed KV page formats and page selection on a fixture's real K/V.
@@ -29,6 +36,9 @@ struct Args {
     /// Formats of the old pages, comma-separated (f16 is the floor: f16 storage alone).
     #[arg(long, value_delimiter = ',', default_value = "f16,q8,q4,q2,k8v4")]
     formats: Vec<String>,
+    /// Score the fixture cut after its first this many positions (default: all of them).
+    #[arg(long)]
+    positions: Option<usize>,
     /// Tokens at the end kept exact (f16): only pages ending before them are quantized.
     #[arg(long, default_value_t = 128)]
     exact_tokens: usize,
@@ -44,6 +54,13 @@ struct Args {
     /// Formats of the old pages for the selection tables, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "f16,q8")]
     selection_formats: Vec<String>,
+    /// The per-layer floor's format: floored layers never store an old page below it.
+    #[arg(long, default_value = "k8v4")]
+    floor_format: String,
+    /// A layer is floored when its p99 error at q2, measured before the scored positions, exceeds
+    /// this many times the median layer's.
+    #[arg(long, default_value_t = 2.0)]
+    floor_sensitivity: f64,
     /// Print Markdown tables instead of plain text.
     #[arg(long)]
     markdown: bool,
@@ -70,8 +87,47 @@ const THRESHOLDS: [Threshold; 2] = [
     Threshold { format: Format::Q4, mean: 0.07, p99: 0.30, cosine: 0.997 },
 ];
 
-/// Layers the per-layer floor keeps at q8.
-const FLOOR_LAYERS: usize = 2;
+/// The layers a per-layer floor covers, and the sensitivity they were chosen by.
+struct Floor {
+    /// Bit `l` set: layer `l` is floored.
+    layers: u64,
+    /// Per layer, the p99 relative error with every old page at q2, before the scored positions.
+    p99_at_q2: Vec<f64>,
+    /// The median of `p99_at_q2`.
+    median: f64,
+}
+
+/// The layers whose p99 error at q2 exceeds `times` the median layer's, measured on the trace cut
+/// before its last `options.queries` positions (scored at the last `options.queries` positions
+/// left), so that the choice never sees the positions the floor is scored on. `Ok(Err(why))` when
+/// the trace is too short to cut.
+fn floor_from_sensitivity(
+    trace: &KvTrace,
+    options: QualityOptions,
+    times: f64,
+) -> anyhow::Result<Result<Floor, String>> {
+    let kept = trace.positions().saturating_sub(options.queries);
+    if kept < options.queries {
+        return Ok(Err(format!(
+            "the trace has {} positions, too few to measure sensitivity on {} positions before the {} scored",
+            trace.positions(),
+            options.queries,
+            options.queries
+        )));
+    }
+    if trace.layers.len() > 64 {
+        return Ok(Err(format!("the model has {} layers; a floor names at most 64", trace.layers.len())));
+    }
+    let calibration = trace.prefix(kept);
+    let q2 = Evaluation::new(&calibration, options)?.score(Scheme::Pages(Format::Q2))?;
+    let p99_at_q2: Vec<f64> = q2.layers.iter().map(|s| s.p99_rel_error).collect();
+    let mut sorted = p99_at_q2.clone();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    let median = if n % 2 == 1 { sorted[n / 2] } else { (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0 };
+    let layers = (0..n).filter(|&l| p99_at_q2[l] > times * median).fold(0u64, |m, l| m | 1 << l);
+    Ok(Ok(Floor { layers, p99_at_q2, median }))
+}
 
 fn verdict(holds: bool) -> &'static str {
     if holds { "holds" } else { "FAILS" }
@@ -114,13 +170,24 @@ fn main() -> anyhow::Result<()> {
     let formats: Vec<Format> = args.formats.iter().map(|f| parse_format(f)).collect::<anyhow::Result<_>>()?;
     let selection: Vec<Format> =
         args.selection_formats.iter().map(|f| parse_format(f)).collect::<anyhow::Result<_>>()?;
+    let floor_format = parse_format(&args.floor_format)?;
+    if !Format::QUANTIZED.contains(&floor_format) {
+        let names: Vec<&str> = Format::QUANTIZED.iter().map(|f| f.name()).collect();
+        bail!("--floor-format is {floor_format}, but a floor is a quantized format: one of {}", names.join(", "));
+    }
     if !(args.budget > 0.0 && args.budget <= 1.0) {
         bail!("--budget is {}, but it is a fraction of the context's pages in (0, 1]", args.budget);
     }
     let style = if args.markdown { Style::Markdown } else { Style::Plain };
 
     let started = Instant::now();
-    let trace = fixture::read(&args.fixture)?;
+    let mut trace = fixture::read(&args.fixture)?;
+    if let Some(positions) = args.positions {
+        if positions == 0 || positions > trace.positions() {
+            bail!("--positions is {positions}, but the fixture has 1..={} positions", trace.positions());
+        }
+        trace = trace.prefix(positions);
+    }
     let c = trace.config;
     let options =
         QualityOptions { block_tokens: args.block_tokens, exact_tokens: args.exact_tokens, queries: args.queries };
@@ -188,20 +255,39 @@ fn main() -> anyhow::Result<()> {
         results[adaptive].old_bits_per_element
     );
     println!("{}", comparison_table(&results[kivi], &results[adaptive], ["q4", "adaptive"]).render(style));
-    // Per-layer sensitivity: each layer's mean error with every old page at q2.
-    let q2 = score(Scheme::Pages(Format::Q2), &mut results)?;
-    let mut sensitive: Vec<usize> = (0..results[q2].layers.len()).collect();
-    sensitive.sort_by(|&a, &b| results[q2].layers[b].mean_rel_error.total_cmp(&results[q2].layers[a].mean_rel_error));
-    let floor = sensitive.iter().take(FLOOR_LAYERS).fold(0u64, |m, &l| m | 1 << l);
-    let floored = score(Scheme::Floored { layers: floor }, &mut results)?;
-    println!(
-        "## A per-layer floor from measured sensitivity, at equal bytes\n\nThe {FLOOR_LAYERS} layers with the largest \
-         mean error at q2 ({}) keep every old page at q8; the other layers run the adaptive allocation with the \
-         bytes left, so all layers together spend uniform q4's. Bits per element: {:.3}.\n",
-        results[floored].scheme.label(),
-        results[floored].old_bits_per_element
-    );
-    println!("{}", comparison_table(&results[kivi], &results[floored], ["q4", "floored"]).render(style));
+    println!("## A per-layer floor from measured sensitivity, at equal bytes\n");
+    match floor_from_sensitivity(&trace, options, args.floor_sensitivity)? {
+        Err(why) => println!("Not measured: {why}.\n"),
+        Ok(floor) => {
+            let floored = score(Scheme::Floored { layers: floor.layers, format: floor_format }, &mut results)?;
+            let mut largest: Vec<usize> = (0..floor.p99_at_q2.len()).collect();
+            largest.sort_by(|&a, &b| floor.p99_at_q2[b].total_cmp(&floor.p99_at_q2[a]));
+            let largest: Vec<String> =
+                largest.iter().take(5).map(|&l| format!("layer {l} {}", percent(floor.p99_at_q2[l]))).collect();
+            println!(
+                "Sensitivity: each layer's p99 relative error with every old page at q2, measured before the scored \
+                 positions (the trace cut there, its last {} positions scored): median {}; largest {}. Floored: the \
+                 layers above {}× the median ({}); they never store an old page below {} (the top {}% by attention \
+                 mass q8, the rest {}). The other layers share what is left of uniform q4's bytes equally, each \
+                 giving up its lowest-mass q8 pages before it takes more q2 pages than adaptive has.\n",
+                args.queries,
+                percent(floor.median),
+                largest.join(", "),
+                args.floor_sensitivity,
+                layer_ranges(floor.layers),
+                floor_format.name(),
+                ADAPTIVE_Q8_SHARE * 100.0,
+                floor_format.name()
+            );
+            let rows = [&results[kivi], &results[adaptive], &results[floored]];
+            println!("{}", budget_table(&rows).render(style));
+            println!("### Floored vs adaptive per layer\n");
+            println!(
+                "{}",
+                comparison_table(&results[adaptive], &results[floored], ["adaptive", "floored"]).render(style)
+            );
+        }
+    }
     println!("## Page selection at a {}% page budget vs full attention\n", args.budget * 100.0);
     let rows: Vec<&Quality> = selection_rows.iter().map(|&i| &results[i]).collect();
     println!("{}", selection_table(&rows).render(style));

@@ -129,6 +129,19 @@ pub fn overall_table(results: &[&Quality]) -> Table {
     table
 }
 
+/// One row per scheme, over every layer: bits per element of the old pages (metadata included),
+/// mean, p99 and max relative error, mean and min cosine: schemes compared at equal bytes.
+pub fn budget_table(results: &[&Quality]) -> Table {
+    let mut table =
+        Table::new(&["scheme", "bits/element", "mean rel err", "p99 rel err", "max rel err", "mean cos", "min cos"]);
+    for q in results {
+        let mut row = vec![q.scheme.label(), format!("{:.3}", q.old_bits_per_element)];
+        row.extend(error_cells(&q.overall));
+        table.rows.push(row);
+    }
+    table
+}
+
 /// Two schemes side by side per layer (mean, p99 and max relative error, min cosine of each),
 /// then the `all` row: the KIVI layout against per-token keys. `names` title their columns.
 pub fn comparison_table(a: &Quality, b: &Quality, names: [&str; 2]) -> Table {
