@@ -464,6 +464,38 @@ impl Resolved {
     }
 }
 
+impl Resolved {
+    /// The policy a `[policy]` table's body (TOML, as sent by admin `SetPolicy`) gives, validated as
+    /// the configuration file's is; the command line's values still win.
+    pub fn policy_from_toml(&self, text: &str) -> Result<Policy> {
+        let table: PolicyConfig = toml::from_str(text)
+            .map_err(|e| Error::InvalidArgument(format!("the [policy] table does not parse: {}", e.message())))?;
+        resolve_policy(table, &self.overrides)
+    }
+}
+
+/// A policy as the body of a `[policy]` table, the form `SetPolicy` takes back (host root and
+/// interval apply only at start, so they are left out).
+pub fn policy_toml(modes: &ModePolicy, precision: &PrecisionPolicy) -> String {
+    let mut out = format!(
+        "mode = \"{}\"\npowersave_below = {}\nbattery_hysteresis = {}\nthermal_hysteresis_c = {}\n\
+         pressure_enter = {}\npressure_leave = {}\nadaptive_precision = {}\n",
+        modes.pinned.map_or("auto", Mode::name),
+        modes.powersave_below,
+        modes.battery_hysteresis,
+        modes.thermal_hysteresis_mc / 1000,
+        modes.pressure_enter,
+        modes.pressure_leave,
+        precision.adaptive
+    );
+    for floor in precision.floors.iter() {
+        let text = floor.to_string();
+        let (layers, format) = text.rsplit_once(':').unwrap_or((text.as_str(), ""));
+        out += &format!("\n[[floor]]\nlayers = \"{layers}\"\nformat = \"{format}\"\n");
+    }
+    out
+}
+
 /// Decides the `[policy]` values: flags over the file over defaults.
 fn resolve_policy(file: PolicyConfig, cli: &Overrides) -> Result<Policy> {
     let defaults = ModePolicy::default();

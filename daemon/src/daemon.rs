@@ -71,6 +71,8 @@ pub struct Daemon {
     pub core: Mutex<Core>,
     /// Set once shutdown starts; from then on no new work is admitted.
     shutting_down: AtomicBool,
+    /// Set by admin `Drain`: no new sessions or pages until it is resumed.
+    draining: AtomicBool,
     /// Wakes the prefaulter when an allocation may have raised a high-water mark.
     pub prefault_wanted: tokio::sync::Notify,
     /// Start time, for uptime.
@@ -251,6 +253,7 @@ impl Daemon {
                 prefetch_queue: VecDeque::new(),
             }),
             shutting_down: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
             prefault_wanted: tokio::sync::Notify::new(),
             started: Instant::now(),
             flash,
@@ -316,6 +319,94 @@ impl Daemon {
         self.shutting_down.load(Ordering::SeqCst)
     }
 
+    /// Whether admin `Drain` is in force.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// New sessions and pages are refused while draining.
+    fn admit_growth(&self) -> Result<()> {
+        if self.is_draining() {
+            return Err(Error::Busy(
+                "kvmmd is draining for maintenance and admits no new sessions or pages; retry once an operator \
+                 resumes it (kvmmctl drain --resume)"
+                    .to_owned(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Admin `Drain`: stops admitting new sessions and pages and demotes every full page off the
+    /// device (to flash when there is a flash tier, else to DRAM); with `resume`, admits again.
+    /// Returns (draining, pages demoted, pages left on the device).
+    pub fn drain(&self, resume: bool) -> Result<(bool, u32, u32)> {
+        self.admit()?;
+        if resume {
+            self.draining.store(false, Ordering::SeqCst);
+            tracing::info!("drain ended; admitting again");
+            return Ok((false, 0, self.status().pages_device as u32));
+        }
+        self.draining.store(true, Ordering::SeqCst);
+        tracing::warn!("draining: no new sessions or pages, demoting every page off the device");
+        let to = if self.flash.is_some() { TierKind::Flash } else { TierKind::Dram };
+        let mut demoted = 0;
+        if self.config.tiers.any() {
+            let ids = self.core.lock().sessions.ids();
+            for id in ids {
+                let Ok((layers, blocks)) = self.clamp_ranges(id, 0..u32::MAX, 0..u32::MAX) else { continue };
+                if blocks.is_empty() {
+                    continue;
+                }
+                match self.demote(id, layers, blocks, to) {
+                    Ok((there, _)) => demoted += there,
+                    Err(e) if e.kind() == crate::error::ErrorKind::NotFound => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok((true, demoted, self.status().pages_device as u32))
+    }
+
+    /// The policy in force as a `[policy]` table, and its view.
+    pub fn policy_now(&self) -> (String, crate::policy::live::PolicyView) {
+        let live = self.policy.lock();
+        let view = live.view();
+        (crate::config::policy_toml(live.modes(), &view.precision), view)
+    }
+
+    /// Admin `SetPolicy`: replaces the running policy with a `[policy]` table's body (validated
+    /// like the file's; flags still win), applied to the last reading at once.
+    pub fn set_policy(&self, text: &str) -> Result<()> {
+        let fresh = self.config.policy_from_toml(text)?;
+        let change = self.policy.lock().reload(&self.config, fresh.modes, fresh.precision);
+        match change {
+            Some(c) => tracing::info!(mode = %c.mode, cause = %c.cause, "policy set by an operator"),
+            None => tracing::info!("policy set by an operator; the mode is unchanged"),
+        }
+        self.wake_tiers();
+        Ok(())
+    }
+
+    /// What admin `ListSessions` and `Session` show: every session, or the one asked for.
+    pub fn sessions(&self, only: Option<u64>) -> Result<Vec<SessionInfo>> {
+        let core = self.core.lock();
+        if let Some(id) = only {
+            let s = core.sessions.get_unchecked(id).ok_or(Error::UnknownSession(id))?;
+            return Ok(vec![SessionInfo::of(s)]);
+        }
+        Ok(core.sessions.iter().map(SessionInfo::of).collect())
+    }
+
+    /// Pages and bytes per tier and format over every session.
+    pub fn usage(&self) -> Usage {
+        let core = self.core.lock();
+        let mut all = Usage::default();
+        for s in core.sessions.iter() {
+            all.add(&Usage::of(s));
+        }
+        all
+    }
+
     fn admit(&self) -> Result<()> {
         if self.is_shutting_down() { Err(Error::ShuttingDown) } else { Ok(()) }
     }
@@ -323,6 +414,7 @@ impl Daemon {
     /// Creates a session for the caller.
     pub fn attach(&self, caller: ConnInfo, geometry: Geometry, options: SessionOptions) -> Result<AttachGrant> {
         self.admit()?;
+        self.admit_growth()?;
         geometry.validate()?;
         let SessionOptions { model_id, priority, quota_tokens, evict } = options;
         let quota = quota_from(&geometry, quota_tokens, evict)?;
@@ -377,6 +469,7 @@ impl Daemon {
             pages: PageTable::new(geometry.layers, geometry.blocks_per_layer()),
             counters: Counters::default(),
             attached_at: Instant::now(),
+            last_access: Instant::now(),
             key,
             recent: Default::default(),
         });
@@ -387,6 +480,7 @@ impl Daemon {
     /// Hands out `blocks` more pages for every layer of a session; returns (allocated blocks, bytes).
     pub fn extend(&self, caller: ConnInfo, session_id: u64, blocks: u32) -> Result<(u32, u64)> {
         self.admit()?;
+        self.admit_growth()?;
         if blocks == 0 {
             return Err(Error::InvalidArgument("blocks must be at least 1".to_owned()));
         }
@@ -426,6 +520,7 @@ impl Daemon {
         }
         let Core { pool, sessions, .. } = &mut *core;
         let s = sessions.get_mut(session_id, caller.uid)?;
+        s.last_access = Instant::now();
         let have = s.pages.allocated_blocks();
         let page_bytes = s.geometry.page_bytes();
         let frames = pool.alloc_frames(caller.uid, page_bytes, u64::from(blocks) * u64::from(s.geometry.layers))?;
@@ -577,6 +672,7 @@ impl Daemon {
         let refs: Vec<PageRef> = {
             let mut core = self.core.lock();
             let s = core.sessions.get_mut(session_id, caller.uid)?;
+            s.last_access = Instant::now();
             for &(layer, block) in pages {
                 check_page(s, layer, block)?;
             }
@@ -680,6 +776,7 @@ impl Daemon {
         self.admit()?;
         let mut core = self.core.lock();
         let s = core.sessions.get_mut(session_id, caller.uid)?;
+        s.last_access = Instant::now();
         if layers.is_empty() || blocks.is_empty() {
             return Err(Error::InvalidArgument("a prefetch must name at least one layer and one block".to_owned()));
         }
@@ -870,6 +967,74 @@ fn check_page(s: &Session, layer: u32, block: u32) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Pages and bytes per (tier, format code), tiers numbered 0 device, 1 DRAM, 2 flash.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Usage(pub std::collections::BTreeMap<(u8, u8), (u64, u64)>);
+
+impl Usage {
+    /// One session's pages.
+    pub fn of(s: &Session) -> Usage {
+        let mut u = Usage::default();
+        for (_, _, page) in s.pages.all() {
+            let tier = match page.place.tier() {
+                TierKind::Device => 0,
+                TierKind::Dram => 1,
+                TierKind::Flash => 2,
+            };
+            let e = u.0.entry((tier, page.format.as_u8())).or_default();
+            e.0 += 1;
+            e.1 += page.place.footprint();
+        }
+        u
+    }
+
+    fn add(&mut self, other: &Usage) {
+        for (k, (pages, bytes)) in &other.0 {
+            let e = self.0.entry(*k).or_default();
+            e.0 += pages;
+            e.1 += bytes;
+        }
+    }
+}
+
+/// One session as an operator sees it.
+#[derive(Clone, Debug)]
+pub struct SessionInfo {
+    pub id: u64,
+    pub uid: u32,
+    pub pid: i32,
+    pub executable: String,
+    pub geometry: Geometry,
+    pub model_id: String,
+    pub priority: Priority,
+    pub tokens: u64,
+    pub usage: Usage,
+    pub quota: Quota,
+    pub dropped_pages: u64,
+    pub idle: std::time::Duration,
+    pub attached: std::time::Duration,
+}
+
+impl SessionInfo {
+    fn of(s: &Session) -> SessionInfo {
+        SessionInfo {
+            id: s.id,
+            uid: s.owner.uid,
+            pid: s.owner.pid,
+            executable: s.owner.name.clone(),
+            geometry: s.geometry,
+            model_id: s.model_id.clone(),
+            priority: s.priority,
+            tokens: s.tokens(),
+            usage: Usage::of(s),
+            quota: s.quota,
+            dropped_pages: s.pages.dropped(),
+            idle: s.last_access.elapsed(),
+            attached: s.attached_at.elapsed(),
+        }
+    }
 }
 
 /// Which sessions a wipe takes.

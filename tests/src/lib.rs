@@ -103,7 +103,7 @@ impl Daemon {
     }
 
     /// Runs `call` against a fresh admin connection.
-    fn admin<T>(&self, call: impl AsyncFnOnce(AdminClient<tonic::transport::Channel>) -> T) -> T {
+    pub fn admin<T>(&self, call: impl AsyncFnOnce(AdminClient<tonic::transport::Channel>) -> T) -> T {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
             let channel = kvmm_client::connect::channel(&self.dir.path().join("kvmm-admin.sock")).await.unwrap();

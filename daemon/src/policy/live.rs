@@ -118,6 +118,11 @@ impl LivePolicy {
         self.observe(config, signals)
     }
 
+    /// The thresholds (and pinned mode) in force.
+    pub fn modes(&self) -> &crate::policy::mode::ModePolicy {
+        self.planner.policy()
+    }
+
     /// A snapshot for the status RPC.
     pub fn view(&self) -> PolicyView {
         PolicyView {

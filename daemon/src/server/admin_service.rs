@@ -7,8 +7,8 @@ use kvmm_proto::v1 as pb;
 use tonic::{Request, Response, Status};
 
 use super::conn::ConnInfo;
-use super::session_service::{caller, wipe_to_pb};
-use crate::daemon::{Daemon, WipeScope};
+use super::session_service::{caller, geometry_to_pb, priority_to_pb, wipe_to_pb};
+use crate::daemon::{Daemon, SessionInfo, Usage, WipeScope};
 use crate::error::Error;
 use crate::policy::live::PolicyView;
 use crate::policy::mode::Pressure;
@@ -87,6 +87,53 @@ impl pb::admin_server::Admin for AdminService {
         Ok(Response::new(wipe_to_pb(self.daemon.wipe(WipeScope::All, who, false)?)))
     }
 
+    async fn list_sessions(
+        &self,
+        req: Request<pb::ListSessionsRequest>,
+    ) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        self.authorize(caller(&req)?)?;
+        let sessions = self.daemon.sessions(None)?.into_iter().map(session_info).collect();
+        Ok(Response::new(pb::ListSessionsResponse { sessions }))
+    }
+
+    async fn session(&self, req: Request<pb::SessionRequest>) -> Result<Response<pb::SessionInfo>, Status> {
+        self.authorize(caller(&req)?)?;
+        let id = req.into_inner().session_id;
+        let info = self.daemon.sessions(Some(id))?.into_iter().next().ok_or(Error::UnknownSession(id))?;
+        Ok(Response::new(session_info(info)))
+    }
+
+    async fn get_policy(&self, req: Request<pb::GetPolicyRequest>) -> Result<Response<pb::PolicyResponse>, Status> {
+        self.authorize(caller(&req)?)?;
+        let (policy_toml, view) = self.daemon.policy_now();
+        Ok(Response::new(pb::PolicyResponse { policy_toml, status: Some(policy_status(&view)) }))
+    }
+
+    async fn set_policy(&self, req: Request<pb::SetPolicyRequest>) -> Result<Response<pb::PolicyResponse>, Status> {
+        let who = caller(&req)?;
+        self.authorize(who)?;
+        let text = req.into_inner().policy_toml;
+        tracing::info!(uid = who.uid, pid = who.pid, "SetPolicy");
+        self.daemon.set_policy(&text)?;
+        let (policy_toml, view) = self.daemon.policy_now();
+        Ok(Response::new(pb::PolicyResponse { policy_toml, status: Some(policy_status(&view)) }))
+    }
+
+    async fn drain(&self, req: Request<pb::DrainRequest>) -> Result<Response<pb::DrainResponse>, Status> {
+        self.authorize(caller(&req)?)?;
+        let resume = req.into_inner().resume;
+        let daemon = self.daemon.clone();
+        let (draining, demoted_pages, left_on_device) = tokio::task::spawn_blocking(move || daemon.drain(resume))
+            .await
+            .map_err(|e| Status::internal(format!("the drain task failed: {e}")))??;
+        Ok(Response::new(pb::DrainResponse { draining, demoted_pages, left_on_device }))
+    }
+
+    async fn metrics(&self, req: Request<pb::MetricsRequest>) -> Result<Response<pb::MetricsResponse>, Status> {
+        self.authorize(caller(&req)?)?;
+        Err(Status::unimplemented("kvmmd does not export metrics yet"))
+    }
+
     async fn compress(&self, req: Request<pb::CompressRequest>) -> Result<Response<pb::CompressResponse>, Status> {
         self.authorize(caller(&req)?)?;
         let r = req.into_inner();
@@ -145,6 +192,8 @@ impl pb::admin_server::Admin for AdminService {
     async fn status(&self, req: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
         self.authorize(caller(&req)?)?;
         let s = self.daemon.status();
+        let usage = tier_usage(&self.daemon.usage());
+        let formats = |tier: &str| usage.iter().find(|t| t.tier == tier).map_or(Vec::new(), |t| t.by_format.clone());
         let mut tiers = vec![pb::TierStatus {
             tier: DEVICE_TIER.to_owned(),
             budget_bytes: s.budget,
@@ -152,6 +201,7 @@ impl pb::admin_server::Admin for AdminService {
             free_bytes: s.budget.saturating_sub(s.used),
             frames: s.frames,
             pages: s.pages_device,
+            by_format: formats(DEVICE_TIER),
             ..Default::default()
         }];
         for (name, stats, pages) in [("dram", s.dram, s.pages_dram), ("flash", s.flash, s.pages_flash)] {
@@ -167,6 +217,7 @@ impl pb::admin_server::Admin for AdminService {
                     pages_out: t.pages_out,
                     auth_failures: t.auth_failures,
                     io_failures: t.io_failures,
+                    by_format: formats(name),
                 });
             }
         }
@@ -192,7 +243,49 @@ impl pb::admin_server::Admin for AdminService {
             session_bytes: s.session_bytes,
             background_bytes: s.tier_counters.background_bytes,
             policy: Some(policy_status(&self.daemon.policy.lock().view())),
+            draining: self.daemon.is_draining(),
         }))
+    }
+}
+
+/// Tier usage on the wire: one entry per tier that holds pages, with its formats.
+fn tier_usage(usage: &Usage) -> Vec<pb::TierUsage> {
+    let mut out: Vec<pb::TierUsage> = Vec::new();
+    for (&(tier, format), &(pages, bytes)) in &usage.0 {
+        let name = ["device", "dram", "flash"][tier as usize % 3];
+        if out.last().is_none_or(|t| t.tier != name) {
+            out.push(pb::TierUsage { tier: name.to_owned(), ..Default::default() });
+        }
+        if let Some(t) = out.last_mut() {
+            t.pages += pages;
+            t.bytes += bytes;
+            t.by_format.push(pb::FormatUsage {
+                format: kvmm_kernels::Format::from_u8(format).map_or("unknown", |f| f.name()).to_owned(),
+                pages,
+                bytes,
+            });
+        }
+    }
+    out
+}
+
+/// One session on the wire.
+fn session_info(s: SessionInfo) -> pb::SessionInfo {
+    pb::SessionInfo {
+        session_id: s.id,
+        uid: s.uid,
+        pid: s.pid,
+        executable: s.executable,
+        geometry: Some(geometry_to_pb(&s.geometry)),
+        model_id: s.model_id,
+        priority: priority_to_pb(s.priority) as i32,
+        tokens: s.tokens,
+        tiers: tier_usage(&s.usage),
+        quota_tokens: s.quota.pages_per_layer.map_or(0, |p| p * s.geometry.block_tokens),
+        evict: s.quota.evict,
+        dropped_pages: s.dropped_pages,
+        idle_ms: s.idle.as_millis() as u64,
+        attached_ms: s.attached.as_millis() as u64,
     }
 }
 

@@ -88,7 +88,7 @@ fn priority_from_pb(p: i32) -> Result<Priority, Error> {
     }
 }
 
-fn priority_to_pb(p: Priority) -> pb::Priority {
+pub fn priority_to_pb(p: Priority) -> pb::Priority {
     match p {
         Priority::Foreground => pb::Priority::Foreground,
         Priority::Background => pb::Priority::Background,

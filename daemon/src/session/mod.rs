@@ -113,6 +113,9 @@ pub struct Session {
     pub counters: Counters,
     /// When the session was attached.
     pub attached_at: Instant,
+    /// When the client last made an RPC on it (Extend, Fault, Prefetch); per-token work happens in
+    /// shared memory and is not seen here.
+    pub last_access: Instant,
     /// The key that seals this session's pages outside the device (in locked memory; zeroized when
     /// the last holder drops it: the session, or a move in flight). `None` when no tier seals.
     pub key: Option<Arc<SessionKey>>,
