@@ -9,7 +9,10 @@ use tonic::Code;
 #[derive(thiserror::Error, Debug)]
 pub enum Error {
     /// The daemon could not be reached.
-    #[error("cannot connect to kvmmd at {path}: {source}; is kvmmd running, and is this the right socket?")]
+    #[error(
+        "cannot connect to kvmmd at {path}: {}; is kvmmd running, is this the right socket, and may this user use it?",
+        root_cause(source.as_ref())
+    )]
     Connect {
         /// The socket path.
         path: String,
@@ -62,6 +65,9 @@ impl Error {
     /// The gRPC code that describes this error.
     pub fn code(&self) -> Code {
         match self {
+            Error::Connect { source, .. } if io_kind(source.as_ref()) == Some(std::io::ErrorKind::PermissionDenied) => {
+                Code::PermissionDenied
+            }
             Error::Connect { .. } | Error::Disconnected(_) => Code::Unavailable,
             Error::Rpc(s) => s.code(),
             Error::FdRefused { code, .. } => *code,
@@ -88,3 +94,24 @@ impl From<tonic::Status> for Error {
 
 /// Result alias for client operations.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The innermost error of a chain (a transport error's cause is the socket's `io::Error`).
+fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut e = e;
+    while let Some(next) = e.source() {
+        e = next;
+    }
+    e.to_string()
+}
+
+/// The kind of the `io::Error` in a chain, if there is one.
+fn io_kind(e: &(dyn std::error::Error + 'static)) -> Option<std::io::ErrorKind> {
+    let mut e = Some(e);
+    while let Some(cur) = e {
+        if let Some(io) = cur.downcast_ref::<std::io::Error>() {
+            return Some(io.kind());
+        }
+        e = cur.source();
+    }
+    None
+}

@@ -614,8 +614,44 @@ fn main() {
             }
         }
         "foreign" => foreign(&a),
+        "admin-all" => admin_all(&a),
         other => panic!("unknown mode {other}"),
     }
+}
+
+/// Calls every admin RPC on `--admin-socket` (session `--session` where one is named) and prints
+/// `admin RPC=CODE ...`: from a uid that is not an administrator, every one must be refused.
+fn admin_all(a: &Args) {
+    let path = PathBuf::from(a.0.get("admin-socket").expect("--admin-socket"));
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let session_id: u64 = a.get("session", 1);
+    let line = rt.block_on(async {
+        let channel = match kvmm_client::connect::channel(&path).await {
+            Ok(c) => c,
+            Err(e) => return format!("connect={e}"),
+        };
+        let mut admin = pb::admin_client::AdminClient::new(channel);
+        let code = |r: Result<(), tonic::Status>| r.err().map_or("Ok".to_owned(), |s| format!("{:?}", s.code()));
+        let mut out = Vec::new();
+        out.push(("Status", code(admin.status(pb::StatusRequest {}).await.map(|_| ()))));
+        out.push(("ListSessions", code(admin.list_sessions(pb::ListSessionsRequest {}).await.map(|_| ()))));
+        out.push(("Session", code(admin.session(pb::SessionRequest { session_id }).await.map(|_| ()))));
+        out.push(("GetPolicy", code(admin.get_policy(pb::GetPolicyRequest {}).await.map(|_| ()))));
+        let set = pb::SetPolicyRequest { policy_toml: "mode = \"powersave\"".into() };
+        out.push(("SetPolicy", code(admin.set_policy(set).await.map(|_| ()))));
+        out.push(("ReloadPolicy", code(admin.reload_policy(pb::ReloadPolicyRequest {}).await.map(|_| ()))));
+        out.push(("Drain", code(admin.drain(pb::DrainRequest { resume: false }).await.map(|_| ()))));
+        let compress = pb::CompressRequest { session_id, format: pb::PageFormat::Q8 as i32, ..Default::default() };
+        out.push(("Compress", code(admin.compress(compress).await.map(|_| ()))));
+        let demote = pb::DemoteRequest { session_id, tier: pb::Tier::Dram as i32, ..Default::default() };
+        out.push(("Demote", code(admin.demote(demote).await.map(|_| ()))));
+        out.push(("WipeSession", code(admin.wipe_session(pb::WipeRequest { session_id }).await.map(|_| ()))));
+        out.push(("WipeUser", code(admin.wipe_user(pb::WipeUserRequest { uid: 0 }).await.map(|_| ()))));
+        out.push(("WipeAll", code(admin.wipe_all(pb::WipeAllRequest {}).await.map(|_| ()))));
+        out.push(("Metrics", code(admin.metrics(pb::MetricsRequest {}).await.map(|_| ()))));
+        out.iter().map(|(rpc, code)| format!("{rpc}={code}")).collect::<Vec<_>>().join(" ")
+    });
+    println!("admin {line}");
 }
 
 /// From another uid: every session RPC on someone else's session must be refused.
