@@ -23,6 +23,7 @@ use parking_lot::Mutex;
 use crate::config::Resolved;
 use crate::error::{Error, Result};
 use crate::fdpass::{TOKEN_BYTES, TokenStore};
+use crate::metrics::Metrics;
 use crate::migrate::tiering::{self, PageRef, Scratch, TierCounters};
 use crate::policy::live::LivePolicy;
 use crate::policy::mode::Tuning;
@@ -60,6 +61,8 @@ pub struct Core {
     pub tier_counters: TierCounters,
     /// Pages named by `Prefetch` hints, promoted by the tier task.
     pub prefetch_queue: VecDeque<PageRef>,
+    /// The daemon's metrics (the same families as [`Daemon::metrics`]), for tier code under the lock.
+    pub metrics: Metrics,
 }
 
 /// The daemon: configuration, the locked core, and the shutdown flag.
@@ -86,6 +89,9 @@ pub struct Daemon {
     pub tier_wanted: (std::sync::Mutex<bool>, std::sync::Condvar),
     /// The mode in force and what it sets. Taken after the core lock, never before it.
     pub policy: Mutex<LivePolicy>,
+    /// Metric families: latencies and counts measured as they happen; encoded (with the families
+    /// read from the state above at that moment) by the admin `Metrics` RPC.
+    pub metrics: Metrics,
 }
 
 /// What a client asks for its session besides the geometry.
@@ -239,8 +245,10 @@ impl Daemon {
             (None, None)
         };
         let policy = Mutex::new(LivePolicy::new(&config));
+        let metrics = Metrics::new(io_engine.as_ref().map(|(kind, _)| kind.name()));
         Ok(Arc::new(Daemon {
             policy,
+            metrics: metrics.clone(),
             config,
             core: Mutex::new(Core {
                 pool,
@@ -251,6 +259,7 @@ impl Daemon {
                 dram,
                 tier_counters: TierCounters::default(),
                 prefetch_queue: VecDeque::new(),
+                metrics,
             }),
             shutting_down: AtomicBool::new(false),
             draining: AtomicBool::new(false),
@@ -473,7 +482,7 @@ impl Daemon {
             key,
             recent: Default::default(),
         });
-        tracing::info!(session = id, uid = caller.uid, pid = caller.pid, process = %name, ?geometry, "attached");
+        crate::limited!(info, session = id, uid = caller.uid, pid = caller.pid, process = %name, ?geometry, "attached");
         Ok(grant)
     }
 
@@ -559,7 +568,7 @@ impl Daemon {
         let mut core = self.core.lock();
         core.sessions.get(session_id, caller.uid)?;
         let bytes = destroy(&mut core, self.flash.as_ref(), session_id, TableStatus::Closed)?.total();
-        tracing::info!(session = session_id, bytes, "detached");
+        crate::limited!(info, session = session_id, bytes, "detached");
         Ok(bytes)
     }
 
@@ -589,7 +598,15 @@ impl Daemon {
             let Some(uid) = core.sessions.get_unchecked(id).map(|s| s.owner.uid) else { continue };
             let wiped = destroy(&mut core, self.flash.as_ref(), id, TableStatus::Wiped)?;
             core.sessions.remember_wiped(id, uid);
-            tracing::warn!(session = id, uid, by_uid = by.uid, by_pid = by.pid, bytes = wiped.total(), "session wiped");
+            crate::limited!(
+                warn,
+                session = id,
+                uid,
+                by_uid = by.uid,
+                by_pid = by.pid,
+                bytes = wiped.total(),
+                "session wiped"
+            );
             report.add(&wiped);
             report.sessions += 1;
         }
@@ -602,7 +619,13 @@ impl Daemon {
         for id in core.sessions.ids_of_conn(conn) {
             match destroy(&mut core, self.flash.as_ref(), id, TableStatus::Closed) {
                 Ok(w) => {
-                    tracing::info!(session = id, conn = conn.0, bytes = w.total(), "client went away; session wiped")
+                    crate::limited!(
+                        info,
+                        session = id,
+                        conn = conn.0,
+                        bytes = w.total(),
+                        "client went away; session wiped"
+                    )
                 }
                 Err(e) => tracing::error!(session = id, error = %e, "wiping the session of a closed connection failed"),
             }
@@ -668,6 +691,13 @@ impl Daemon {
     /// named here. A page that fails authentication fails the call with `DATA_LOSS` naming it (the
     /// others are promoted); a page that cannot get a frame fails it with `RESOURCE_EXHAUSTED`.
     pub fn fault(&self, caller: ConnInfo, session_id: u64, pages: &[(u32, u32)]) -> Result<Vec<Residency>> {
+        let started = Instant::now();
+        let out = self.fault_pages(caller, session_id, pages);
+        self.metrics.observe_fault(started.elapsed());
+        out
+    }
+
+    fn fault_pages(&self, caller: ConnInfo, session_id: u64, pages: &[(u32, u32)]) -> Result<Vec<Residency>> {
         self.admit()?;
         let refs: Vec<PageRef> = {
             let mut core = self.core.lock();
@@ -677,6 +707,9 @@ impl Daemon {
                 check_page(s, layer, block)?;
             }
             s.counters.faults += pages.len() as u64;
+            for p in pages.iter().filter_map(|&(l, b)| s.pages.page(l, b)) {
+                self.metrics.count_fault(p.place.tier());
+            }
             s.counters.fault_hits +=
                 pages.iter().filter(|&&(l, b)| s.pages.page(l, b).is_some_and(|p| p.frame().is_some())).count() as u64;
             pages.iter().map(|&(layer, block)| PageRef { session: session_id, layer, block }).collect()
@@ -687,7 +720,7 @@ impl Daemon {
         loop {
             let lost = self.promote(session_id, &refs)?;
             if let Some((page, error)) = lost.into_iter().next() {
-                tracing::error!(session = session_id, layer = page.layer, block = page.block, error = %error, "page lost");
+                crate::limited!(error, session = session_id, layer = page.layer, block = page.block, error = %error, "page lost");
                 return Err(error.into());
             }
             let core = self.core.lock();
@@ -760,7 +793,7 @@ impl Daemon {
         let (Some(flash), false) = (self.flash.as_ref(), flash_pages.is_empty()) else { return Ok(Vec::new()) };
         let mut inbound = tiering::prepare_flash_reads(&mut core, &flash_pages);
         drop(core);
-        let read = tiering::read_from_flash(&mut flash.lock(), &mut inbound);
+        let read = tiering::read_from_flash(&mut flash.lock(), &mut inbound, &self.metrics);
         let mut core = self.core.lock();
         tiering::commit_flash_reads(&mut core, flash, inbound, read)
     }

@@ -183,9 +183,9 @@ fn handle(daemon: &Daemon, conn: &SeqpacketConn) {
 }
 
 fn refuse(conn: &SeqpacketConn, e: &Error) {
-    // Any local process can trigger this, so it stays out of the default log level.
-    tracing::debug!(error = %e, "refused an fd request");
-    if let Err(send) = conn.send_reply(&FdReply::refused(status::code(e.kind()) as u32, e.to_string()), &[]) {
+    // Any local process can trigger this, so it stays out of the default log level and is limited.
+    crate::limited!(debug, error = %e, "refused an fd request");
+    if let Err(send) = conn.send_reply(&FdReply::refused(status::refusal(e.kind()) as u32, e.to_string()), &[]) {
         tracing::debug!(error = %send, "could not send a refusal");
     }
 }

@@ -3,17 +3,21 @@
 //! Layout: [`config`] (file, flags, defaults), [`runtime_dir`] (socket directory and its lock),
 //! [`server`] (gRPC services, peer identity, error-to-code mapping, shutdown), [`fdpass`] (memfds
 //! over SCM_RIGHTS), [`pool`] (arenas, frames, accounting), [`session`] (registry, page tables),
-//! [`migrate`] (the page-move primitive, compaction, tiering), [`policy`] (sensors and modes), and
-//! [`daemon`] (the shared state and the operations the servers call). See ARCHITECTURE.md.
+//! [`migrate`] (the page-move primitive, compaction, tiering), [`policy`] (sensors and modes),
+//! [`metrics`] (the Prometheus families), [`ratelog`] (rate limits of log lines clients can
+//! trigger), and [`daemon`] (the shared state and the operations the servers call). See
+//! ARCHITECTURE.md.
 
 pub mod config;
 pub mod daemon;
 pub mod error;
 pub mod fdpass;
+pub mod metrics;
 pub mod migrate;
 pub mod policy;
 pub mod pool;
 pub mod prefault;
+pub mod ratelog;
 pub mod runtime_dir;
 pub mod server;
 pub mod session;

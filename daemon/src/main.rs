@@ -103,14 +103,48 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     };
     let mut config = file.resolve(overrides, &Environment::from_process()?)?;
     config.config_file = cli.config;
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&config.log)?)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    init_logging(&config.log)?;
     let dir = RuntimeDir::acquire(&config.runtime_dir)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let daemon = Daemon::new(config)?;
     runtime.block_on(kvmm_daemon::server::run(daemon, dir))?;
     Ok(())
+}
+
+/// Where log lines go: to journald (structured fields, priorities from levels) when stderr is the
+/// journal's stream (`JOURNAL_STREAM` names stderr's device and inode, as systemd sets it), else
+/// plain text on stderr. A journal that cannot be reached falls back to plain text and says why.
+fn init_logging(filter: &str) -> anyhow::Result<()> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+
+    let registry = tracing_subscriber::registry().with(tracing_subscriber::EnvFilter::try_new(filter)?);
+    let fallback = if stderr_is_journal() {
+        match tracing_journald::layer() {
+            Ok(journal) => {
+                registry.with(journal.with_syslog_identifier("kvmmd".to_owned())).init();
+                return Ok(());
+            }
+            Err(e) => Some(e),
+        }
+    } else {
+        None
+    };
+    let text = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    registry.with(text).init();
+    if let Some(e) = fallback {
+        tracing::warn!(error = %e, "stderr is the journal's stream but journald cannot be reached; logging plain text");
+    }
+    Ok(())
+}
+
+/// Whether `JOURNAL_STREAM` (`DEVICE:INODE`) names this process's stderr, so a redirected stderr
+/// (a test harness, a shell under a unit) keeps plain text.
+fn stderr_is_journal() -> bool {
+    let Some(value) = std::env::var_os("JOURNAL_STREAM") else { return false };
+    let Some((dev, ino)) = value.to_str().and_then(|v| v.split_once(':')) else { return false };
+    let Ok(st) = rustix::fs::fstat(std::io::stderr()) else { return false };
+    dev.parse() == Ok(st.st_dev) && ino.parse() == Ok(st.st_ino)
 }

@@ -42,6 +42,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 use crate::daemon::Core;
 use crate::error::{Error, Result};
+use crate::metrics::{FlashOp, Metrics};
 use crate::policy::precision::{self, Demotion};
 use crate::pool::Frame;
 use crate::session::page_table::Place;
@@ -195,7 +196,7 @@ impl LayerPlan {
 /// Moves `pages` from the device to the DRAM pool (module doc), each in the format `demotion`
 /// gives it; returns how many moved. Stops at the first page the pool has no room for.
 pub fn demote_to_dram(core: &mut Core, demotion: &Demotion, pages: &[PageRef], scratch: &mut Scratch) -> Result<u32> {
-    let Core { pool, sessions, dram, tier_counters, .. } = core;
+    let Core { pool, sessions, dram, tier_counters, metrics, .. } = core;
     let Some(dram) = dram.as_mut() else { return Ok(0) };
     let mut moved = 0;
     let mut plans: HashMap<(u64, u32), LayerPlan> = HashMap::new();
@@ -233,7 +234,17 @@ pub fn demote_to_dram(core: &mut Core, demotion: &Demotion, pages: &[PageRef], s
         } else {
             dst.resize(shape.page_bytes(target), 0);
             match kvmm_kernels::requantize(shape, g.format(), page.format, src, tokens as usize, target, dst) {
-                Ok(()) => (dst, target),
+                Ok(()) => {
+                    if metrics.sample_quantization() {
+                        metrics.observe_quantization(
+                            shape,
+                            (page.format, &src[..]),
+                            (target, &dst[..]),
+                            tokens as usize,
+                        );
+                    }
+                    (dst, target)
+                }
                 // Bytes the quantizer refuses (NaN written by the client) travel as they are.
                 Err(_) => (src, page.format),
             }
@@ -292,11 +303,11 @@ fn take_from_dram(core: &mut Core, pages: &[PageRef]) -> Result<Vec<Outbound>> {
     Ok(out)
 }
 
-/// DRAM → flash, phase 2 (flash lock only): seals and writes the pages.
-fn write_to_flash(flash: &mut FlashFile, out: &[Outbound]) -> Vec<Result<FlashSlot, TierError>> {
+/// DRAM → flash, phase 2 (flash lock only): seals and writes the pages (one timed batch).
+fn write_to_flash(flash: &mut FlashFile, out: &[Outbound], metrics: &Metrics) -> Vec<Result<FlashSlot, TierError>> {
     let writes: Vec<PageWrite<'_>> =
         out.iter().map(|o| PageWrite { key: Some(&o.key), page: o.page.id(), bytes: &o.bytes }).collect();
-    flash.put(&writes)
+    metrics.time_flash(FlashOp::Write, || flash.put(&writes))
 }
 
 /// DRAM → flash, phase 3 (core lock, then flash lock): every page still in the DRAM slot it was
@@ -418,13 +429,17 @@ pub fn prepare_flash_reads(core: &mut Core, pages: &[PageRef]) -> Vec<Inbound> {
     out
 }
 
-/// Flash → device, phase 2 (flash lock only): reads and authenticates the pages.
-pub fn read_from_flash(flash: &mut FlashFile, inbound: &mut [Inbound]) -> Vec<Result<(), TierError>> {
+/// Flash → device, phase 2 (flash lock only): reads and authenticates the pages (one timed batch).
+pub fn read_from_flash(
+    flash: &mut FlashFile,
+    inbound: &mut [Inbound],
+    metrics: &Metrics,
+) -> Vec<Result<(), TierError>> {
     let mut reads: Vec<PageRead<'_, FlashSlot>> = inbound
         .iter_mut()
         .map(|i| PageRead { key: Some(&*i.key), page: i.page.id(), slot: i.slot, out: &mut i.bytes })
         .collect();
-    flash.get(&mut reads)
+    metrics.time_flash(FlashOp::Read, || flash.get(&mut reads))
 }
 
 /// Flash → device, phase 3 (core lock, then flash lock): publishes every page read intact that is
@@ -578,7 +593,8 @@ pub fn move_to_flash(core: &mut MutexGuard<'_, Core>, flash: &Mutex<FlashFile>, 
     if out.is_empty() {
         return Ok(0);
     }
-    let written = MutexGuard::unlocked(core, || write_to_flash(&mut flash.lock(), &out));
+    let metrics = core.metrics.clone();
+    let written = MutexGuard::unlocked(core, || write_to_flash(&mut flash.lock(), &out, &metrics));
     Ok(commit_to_flash(core, flash, out, written))
 }
 
@@ -589,7 +605,7 @@ pub fn spill_dram(core: &mut Core, flash: &Mutex<FlashFile>, bytes: u64, protect
         return Ok(0);
     }
     let out = take_from_dram(core, &victims)?;
-    let written = write_to_flash(&mut flash.lock(), &out);
+    let written = write_to_flash(&mut flash.lock(), &out, &core.metrics);
     Ok(commit_to_flash(core, flash, out, written))
 }
 

@@ -29,6 +29,8 @@ pub struct LivePolicy {
     precision: PrecisionPolicy,
     signals: Signals,
     changes: u64,
+    /// Entries into thermal mode since start (a metric); written by [`LivePolicy::observe`].
+    thermal_entries: u64,
     since: Instant,
     /// How memory pressure is watched: the trigger, or why it is polled.
     pressure_watch: String,
@@ -47,6 +49,8 @@ pub struct PolicyView {
     pub cause: String,
     /// Mode or pressure changes since start.
     pub changes: u64,
+    /// Entries into thermal mode since start.
+    pub thermal_entries: u64,
     /// How long the current mode and pressure have held.
     pub held_for: Duration,
     /// What the mode sets.
@@ -70,6 +74,7 @@ impl LivePolicy {
             precision: config.policy.precision.clone(),
             signals: Signals::default(),
             changes: 0,
+            thermal_entries: 0,
             since: Instant::now(),
             pressure_watch: "not started".to_owned(),
             logged_problems: Vec::new(),
@@ -93,8 +98,12 @@ impl LivePolicy {
 
     /// Takes a reading: returns the change, if the mode or pressure changed.
     pub fn observe(&mut self, config: &Resolved, signals: Signals) -> Option<Change> {
+        let before = self.planner.mode();
         let change = self.planner.update(&signals);
         if let Some(c) = &change {
+            if c.mode == Mode::Thermal && before != Mode::Thermal {
+                self.thermal_entries += 1;
+            }
             self.tuning = tuning_for(config, c.mode, c.pressure);
             self.changes += 1;
             self.since = Instant::now();
@@ -130,6 +139,7 @@ impl LivePolicy {
             pressure: self.planner.pressure(),
             cause: self.planner.cause().to_owned(),
             changes: self.changes,
+            thermal_entries: self.thermal_entries,
             held_for: self.since.elapsed(),
             tuning: self.tuning,
             precision: self.precision.clone(),

@@ -131,7 +131,12 @@ impl pb::admin_server::Admin for AdminService {
 
     async fn metrics(&self, req: Request<pb::MetricsRequest>) -> Result<Response<pb::MetricsResponse>, Status> {
         self.authorize(caller(&req)?)?;
-        Err(Status::unimplemented("kvmmd does not export metrics yet"))
+        // A scrape takes the core and flash locks briefly (as Status does): off the async workers.
+        let daemon = self.daemon.clone();
+        let text = tokio::task::spawn_blocking(move || daemon.metrics.encode(&daemon))
+            .await
+            .map_err(|e| Status::internal(format!("the metrics task failed: {e}")))?;
+        Ok(Response::new(pb::MetricsResponse { text }))
     }
 
     async fn compress(&self, req: Request<pb::CompressRequest>) -> Result<Response<pb::CompressResponse>, Status> {

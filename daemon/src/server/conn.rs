@@ -124,13 +124,13 @@ impl Acceptor {
         let cred = match inner.peer_cred() {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!(error = %e, "dropping a connection whose peer credentials cannot be read");
+                crate::limited!(warn, error = %e, "dropping a connection whose peer credentials cannot be read");
                 return None;
             }
         };
         let id = ConnId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let info = ConnInfo { id, uid: cred.uid(), gid: cred.gid(), pid: cred.pid().unwrap_or(0) };
-        tracing::debug!(conn = id.0, uid = info.uid, pid = info.pid, "accepted");
+        crate::limited!(debug, conn = id.0, uid = info.uid, pid = info.pid, "accepted");
         Some(TrackedStream { inner, info, _guard: CloseGuard { id, closed: self.closed.clone() } })
     }
 }

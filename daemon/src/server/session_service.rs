@@ -1,5 +1,8 @@
 //! `kvmm.v1.Session` on `kvmm.sock`: converts messages, takes the caller's identity from the
-//! connection, and calls [`Daemon`]. No logic lives here beyond translation.
+//! connection, and calls [`Daemon`]. No logic lives here beyond translation. Every RPC runs in an
+//! info-level span named after it that carries the session id (Attach: the caller's uid and pid),
+//! so every line logged on its behalf names the session; refused Extend and Fault requests are
+//! logged, rate-limited ([`crate::ratelog`]).
 
 use std::sync::Arc;
 
@@ -105,7 +108,7 @@ pub fn wipe_to_pb(r: WipeReport) -> pb::WipeResponse {
 impl pb::session_server::Session for SessionService {
     async fn attach(&self, req: Request<pb::AttachRequest>) -> Result<Response<pb::AttachResponse>, Status> {
         let who = caller(&req)?;
-        let _span = tracing::debug_span!("Attach", uid = who.uid, pid = who.pid).entered();
+        let _span = tracing::info_span!("Attach", uid = who.uid, pid = who.pid).entered();
         let r = req.into_inner();
         let geometry = geometry_from_pb(r.geometry)?;
         let priority = priority_from_pb(r.priority)?;
@@ -127,20 +130,25 @@ impl pb::session_server::Session for SessionService {
     async fn extend(&self, req: Request<pb::ExtendRequest>) -> Result<Response<pb::ExtendResponse>, Status> {
         let who = caller(&req)?;
         let r = req.into_inner();
-        let span = tracing::debug_span!("Extend", session = r.session_id);
+        let span = tracing::info_span!("Extend", session = r.session_id);
         // Extend may demote pages to make room, which can wait on flash I/O: off the async workers.
         let daemon = self.daemon.clone();
-        let (allocated_blocks, device_bytes) =
-            tokio::task::spawn_blocking(move || span.in_scope(|| daemon.extend(who, r.session_id, r.blocks)))
-                .await
-                .map_err(|e| Status::internal(format!("the extend task failed: {e}")))??;
+        let (allocated_blocks, device_bytes) = tokio::task::spawn_blocking(move || {
+            span.in_scope(|| {
+                daemon.extend(who, r.session_id, r.blocks).inspect_err(|e| {
+                    crate::limited!(info, code = ?super::status::code(e.kind()), error = %e, "Extend refused");
+                })
+            })
+        })
+        .await
+        .map_err(|e| Status::internal(format!("the extend task failed: {e}")))??;
         Ok(Response::new(pb::ExtendResponse { allocated_blocks, device_bytes }))
     }
 
     async fn prefetch(&self, req: Request<pb::PrefetchRequest>) -> Result<Response<pb::PrefetchResponse>, Status> {
         let who = caller(&req)?;
         let r = req.into_inner();
-        let _span = tracing::debug_span!("Prefetch", session = r.session_id).entered();
+        let _span = tracing::info_span!("Prefetch", session = r.session_id).entered();
         let layers = r.first_layer..r.first_layer.saturating_add(r.layers);
         let blocks = r.first_block..r.first_block.saturating_add(r.blocks);
         let (resident_pages, scheduled_pages) = self.daemon.prefetch(who, r.session_id, layers, blocks)?;
@@ -150,14 +158,20 @@ impl pb::session_server::Session for SessionService {
     async fn fault(&self, req: Request<pb::FaultRequest>) -> Result<Response<pb::FaultResponse>, Status> {
         let who = caller(&req)?;
         let r = req.into_inner();
-        let span = tracing::debug_span!("Fault", session = r.session_id, pages = r.pages.len());
+        let span = tracing::info_span!("Fault", session = r.session_id, pages = r.pages.len());
         let pages: Vec<(u32, u32)> = r.pages.iter().map(|p| (p.layer, p.block)).collect();
         // Promotion reads flash and may demote other pages: off the async workers.
         let daemon = self.daemon.clone();
         let session_id = r.session_id;
-        let out = tokio::task::spawn_blocking(move || span.in_scope(|| daemon.fault(who, session_id, &pages)))
-            .await
-            .map_err(|e| Status::internal(format!("the fault task failed: {e}")))??;
+        let out = tokio::task::spawn_blocking(move || {
+            span.in_scope(|| {
+                daemon.fault(who, session_id, &pages).inspect_err(|e| {
+                    crate::limited!(info, code = ?super::status::code(e.kind()), error = %e, "Fault failed");
+                })
+            })
+        })
+        .await
+        .map_err(|e| Status::internal(format!("the fault task failed: {e}")))??;
         Ok(Response::new(pb::FaultResponse {
             pages: out
                 .into_iter()
@@ -175,7 +189,7 @@ impl pb::session_server::Session for SessionService {
     async fn detach(&self, req: Request<pb::DetachRequest>) -> Result<Response<pb::DetachResponse>, Status> {
         let who = caller(&req)?;
         let session_id = req.into_inner().session_id;
-        let _span = tracing::debug_span!("Detach", session = session_id).entered();
+        let _span = tracing::info_span!("Detach", session = session_id).entered();
         let bytes_wiped = self.daemon.detach(who, session_id)?;
         Ok(Response::new(pb::DetachResponse { bytes_wiped }))
     }
@@ -183,7 +197,7 @@ impl pb::session_server::Session for SessionService {
     async fn wipe(&self, req: Request<pb::WipeRequest>) -> Result<Response<pb::WipeResponse>, Status> {
         let who = caller(&req)?;
         let session_id = req.into_inner().session_id;
-        let _span = tracing::debug_span!("Wipe", session = session_id).entered();
+        let _span = tracing::info_span!("Wipe", session = session_id).entered();
         let report = self.daemon.wipe(WipeScope::Session(session_id), who, true)?;
         Ok(Response::new(wipe_to_pb(report)))
     }
@@ -194,7 +208,7 @@ impl pb::session_server::Session for SessionService {
     ) -> Result<Response<pb::SessionStatsResponse>, Status> {
         let who = caller(&req)?;
         let session_id = req.into_inner().session_id;
-        let _span = tracing::debug_span!("SessionStats", session = session_id).entered();
+        let _span = tracing::info_span!("SessionStats", session = session_id).entered();
         let s = self.daemon.session_stats(who, session_id)?;
         Ok(Response::new(pb::SessionStatsResponse {
             session_id: s.session_id,

@@ -1,5 +1,6 @@
 //! The one place that maps daemon errors to gRPC status codes (and to the codes of the fd socket's
-//! refusal frames, which use the same numbers).
+//! refusal frames, which use the same numbers). Every error a client gets passes through
+//! [`refusal`] once, which counts it by code (`kvmm_rpc_errors_total`).
 
 use tonic::{Code, Status};
 
@@ -19,11 +20,33 @@ pub fn code(kind: ErrorKind) -> Code {
     }
 }
 
+/// The metric label of a code the daemon returns.
+pub fn code_name(code: Code) -> &'static str {
+    match code {
+        Code::InvalidArgument => "invalid_argument",
+        Code::NotFound => "not_found",
+        Code::PermissionDenied => "permission_denied",
+        Code::ResourceExhausted => "resource_exhausted",
+        Code::FailedPrecondition => "failed_precondition",
+        Code::Unavailable => "unavailable",
+        Code::Internal => "internal",
+        Code::DataLoss => "data_loss",
+        _ => "other",
+    }
+}
+
+/// The code a client is refused with for an error of `kind`, counted by code.
+pub fn refusal(kind: ErrorKind) -> Code {
+    let code = code(kind);
+    crate::metrics::count_refusal(code_name(code));
+    code
+}
+
 impl From<Error> for Status {
     fn from(e: Error) -> Status {
-        let code = code(e.kind());
+        let code = refusal(e.kind());
         if code == Code::Internal {
-            tracing::error!(error = %e, "internal error");
+            crate::limited!(error, error = %e, "internal error");
         }
         Status::new(code, e.to_string())
     }
