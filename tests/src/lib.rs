@@ -68,6 +68,16 @@ impl Daemon {
         d
     }
 
+    /// Starts kvmmd with every tier: a device budget of `device`, 16 MiB of DRAM and a 16 MiB flash
+    /// file in `flash_dir`, plus `extra`.
+    pub fn start_tiered(device: &str, flash_dir: &Path, extra: &[&str]) -> Daemon {
+        let flash = flash_dir.to_str().expect("a UTF-8 flash directory");
+        let mut args =
+            vec!["--device-budget", device, "--dram-budget", "16MiB", "--flash-budget", "16MiB", "--flash-dir", flash];
+        args.extend_from_slice(extra);
+        Daemon::start(&args)
+    }
+
     fn wait_for_sockets(&self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         let names = ["kvmm.sock", "kvmm-fd.sock", "kvmm-admin.sock"];
@@ -363,4 +373,34 @@ pub fn client_args(mode: &str, daemon: &Daemon, extra: &[&str]) -> Vec<String> {
 /// Spawns a `kvmm-test-client` in `mode` against `daemon`.
 pub fn spawn_client(mode: &str, daemon: &Daemon, extra: &[&str]) -> Worker {
     Worker::spawn(&client_bin(), &client_args(mode, daemon, extra))
+}
+
+/// The uid (and gid) scenarios run other callers as: `nobody`.
+pub const NOBODY: &str = "65534";
+
+/// Whether this process can run others as [`NOBODY`] (root, with util-linux's `setpriv`); if not,
+/// prints why the scenario is skipped.
+pub fn can_run_as_nobody() -> bool {
+    if !rustix::process::geteuid().is_root() {
+        println!("skipped: this scenario needs root to run a caller as another uid");
+        return false;
+    }
+    if Command::new("setpriv").arg("--version").output().is_err() {
+        println!("skipped: setpriv (util-linux) is not installed");
+        return false;
+    }
+    true
+}
+
+/// A command that runs `program` as uid and gid [`NOBODY`], with supplementary `groups` (comma
+/// separated) or none.
+pub fn as_nobody(program: &Path, groups: Option<&str>) -> Command {
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--reuid", NOBODY, "--regid", NOBODY]);
+    match groups {
+        Some(g) => cmd.args(["--groups", g]),
+        None => cmd.arg("--clear-groups"),
+    };
+    cmd.arg("--").arg(program);
+    cmd
 }

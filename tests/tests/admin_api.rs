@@ -14,16 +14,7 @@ use kvmm_tests::{Daemon, fields, spawn_client};
 #[test]
 fn operators_list_sessions_change_the_policy_and_drain() {
     let flash = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(&[
-        "--device-budget",
-        "64MiB",
-        "--dram-budget",
-        "16MiB",
-        "--flash-budget",
-        "16MiB",
-        "--flash-dir",
-        flash.path().to_str().unwrap(),
-    ]);
+    let daemon = Daemon::start_tiered("64MiB", flash.path(), &[]);
     let mut c = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "41"]);
     let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
     daemon.demote_layers(session, 0..1, pb::Tier::Dram);

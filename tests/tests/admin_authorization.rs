@@ -11,20 +11,12 @@
 #![allow(clippy::unwrap_used)]
 
 use std::os::unix::fs::PermissionsExt;
-use std::process::Command;
 use std::time::Duration;
 
-use kvmm_tests::{Daemon, Worker, client_args, client_bin, fields, spawn_client};
+use kvmm_tests::{Daemon, Worker, can_run_as_nobody, client_args, client_bin, fields, spawn_client};
 
-fn as_nobody(args: &[String], groups: &str) -> Worker {
-    let mut cmd = Command::new("setpriv");
-    cmd.args(["--reuid", "65534", "--regid", "65534"]);
-    if groups.is_empty() {
-        cmd.arg("--clear-groups");
-    } else {
-        cmd.args(["--groups", groups]);
-    }
-    Worker::spawn_cmd(cmd.arg("--").arg(client_bin()).args(args))
+fn as_nobody(args: &[String], groups: Option<&str>) -> Worker {
+    Worker::spawn_cmd(kvmm_tests::as_nobody(&client_bin(), groups).args(args))
 }
 
 /// Every RPC name of the Admin service.
@@ -38,21 +30,9 @@ fn admin_rpcs() -> Vec<String> {
         .collect()
 }
 
-fn skip() -> bool {
-    if !rustix::process::geteuid().is_root() {
-        println!("skipped: this scenario needs root to run a caller as another uid");
-        return true;
-    }
-    if Command::new("setpriv").arg("--version").output().is_err() {
-        println!("skipped: setpriv (util-linux) is not installed");
-        return true;
-    }
-    false
-}
-
 #[test]
 fn every_admin_rpc_refuses_a_uid_that_is_not_an_administrator() {
-    if skip() {
+    if !can_run_as_nobody() {
         return;
     }
     let daemon = Daemon::start(&["--device-budget", "64MiB"]);
@@ -62,14 +42,14 @@ fn every_admin_rpc_refuses_a_uid_that_is_not_an_administrator() {
     let args = client_args("admin-all", &daemon, &["--admin-socket", socket.to_str().unwrap(), "--session", &session]);
 
     // The socket's mode keeps other uids out before any RPC.
-    let mut out = as_nobody(&args, "");
+    let mut out = as_nobody(&args, None);
     let line = out.expect_line("admin");
     assert!(line.starts_with("connect=") && line.contains("ermission denied"), "{line}");
     out.wait(Duration::from_secs(10));
 
     // Opened to everyone, the service itself refuses every RPC.
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).unwrap();
-    let mut out = as_nobody(&args, "");
+    let mut out = as_nobody(&args, None);
     let line = out.expect_line("admin");
     println!("uid 65534: {line}");
     let codes = fields(&format!("x {line}"));
@@ -92,14 +72,14 @@ fn every_admin_rpc_refuses_a_uid_that_is_not_an_administrator() {
 
 #[test]
 fn a_member_of_the_admin_group_is_served() {
-    if skip() {
+    if !can_run_as_nobody() {
         return;
     }
     let daemon = Daemon::start(&["--device-budget", "64MiB", "--admin-group", "nogroup"]);
     let socket = daemon.dir().join("kvmm-admin.sock");
     let args = client_args("admin-all", &daemon, &["--admin-socket", socket.to_str().unwrap(), "--session", "7"]);
     // uid 65534 with gid 65534 (nogroup): the socket's group lets it connect, the service serves it.
-    let mut out = as_nobody(&args, "65534");
+    let mut out = as_nobody(&args, Some("65534"));
     let line = out.expect_line("admin");
     println!("nogroup member: {line}");
     let codes = fields(&format!("x {line}"));

@@ -22,16 +22,7 @@ fn an_opted_in_session_runs_16k_tokens_under_a_2k_quota_while_another_loses_noth
     let flash = tempfile::tempdir().unwrap();
     // 8 MiB of device: the evicting session keeps 2 × 64 pages (3.2 MB); the other one's 2 × 125
     // pages (6.4 MB) must partly go down to DRAM.
-    let daemon = Daemon::start(&[
-        "--device-budget",
-        "8MiB",
-        "--dram-budget",
-        "16MiB",
-        "--flash-budget",
-        "16MiB",
-        "--flash-dir",
-        flash.path().to_str().unwrap(),
-    ]);
+    let daemon = Daemon::start_tiered("8MiB", flash.path(), &[]);
     let mut keeper = spawn_client(
         "run",
         &daemon,

@@ -4,30 +4,17 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::process::Command;
 use std::time::Duration;
 
 use kvmm_tests::{Daemon, Worker, client_args, client_bin, fields, spawn_client};
 
-const NOBODY: &str = "65534";
-
 fn as_nobody(args: &[String]) -> Worker {
-    Worker::spawn_cmd(
-        Command::new("setpriv")
-            .args(["--reuid", NOBODY, "--regid", NOBODY, "--clear-groups", "--"])
-            .arg(client_bin())
-            .args(args),
-    )
+    Worker::spawn_cmd(kvmm_tests::as_nobody(&client_bin(), None).args(args))
 }
 
 #[test]
 fn another_uid_cannot_touch_a_session_or_receive_its_arena() {
-    if !rustix::process::geteuid().is_root() {
-        println!("skipped: this scenario needs root to run a client as another uid");
-        return;
-    }
-    if Command::new("setpriv").arg("--version").output().is_err() {
-        println!("skipped: setpriv (util-linux) is not installed");
+    if !kvmm_tests::can_run_as_nobody() {
         return;
     }
     let daemon = Daemon::start(&["--device-budget", "64MiB"]);

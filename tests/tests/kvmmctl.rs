@@ -93,18 +93,7 @@ fn session_row<'a>(text: &'a str, id: &str) -> Option<&'a str> {
 
 fn daemon_with_tiers(extra: &[&str]) -> (Daemon, tempfile::TempDir) {
     let flash = tempfile::tempdir().unwrap();
-    let mut args = vec![
-        "--device-budget",
-        "64MiB",
-        "--dram-budget",
-        "16MiB",
-        "--flash-budget",
-        "16MiB",
-        "--flash-dir",
-        flash.path().to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    (Daemon::start(&args), flash)
+    (Daemon::start_tiered("64MiB", flash.path(), extra), flash)
 }
 
 #[test]
@@ -310,23 +299,12 @@ fn exit_codes_tell_not_found_usage_and_other_failures_apart() {
 
 #[test]
 fn a_user_outside_the_admin_group_is_refused_with_exit_3() {
-    if !rustix::process::geteuid().is_root() {
-        println!("skipped: this scenario needs root to run kvmmctl as another uid");
-        return;
-    }
-    if Command::new("setpriv").arg("--version").output().is_err() {
-        println!("skipped: setpriv (util-linux) is not installed");
+    if !kvmm_tests::can_run_as_nobody() {
         return;
     }
     let daemon = Daemon::start(&["--device-budget", "64MiB"]);
     let socket = admin_socket(&daemon);
-    let r = run_cmd(
-        Command::new("setpriv")
-            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups", "--"])
-            .arg(kvmmctl_bin())
-            .args(["--socket", &socket, "status"]),
-        None,
-    );
+    let r = run_cmd(kvmm_tests::as_nobody(&kvmmctl_bin(), None).args(["--socket", &socket, "status"]), None);
     assert_eq!(r.code, 3, "{r:?}");
     assert!(r.stderr.contains("permission denied") && r.stderr.contains(&socket), "{}", r.stderr);
     assert!(daemon.stop().success());

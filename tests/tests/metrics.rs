@@ -104,20 +104,8 @@ fn every_declared_metric_moves_under_a_workload() {
     let host = tempfile::tempdir().unwrap();
     fake_host(host.path());
     let flash = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(&[
-        "--device-budget",
-        "8MiB",
-        "--dram-budget",
-        "16MiB",
-        "--flash-budget",
-        "16MiB",
-        "--flash-dir",
-        flash.path().to_str().unwrap(),
-        "--host-root",
-        host.path().to_str().unwrap(),
-        "--policy-interval-ms",
-        "100",
-    ]);
+    let host_root = host.path().to_str().unwrap();
+    let daemon = Daemon::start_tiered("8MiB", flash.path(), &["--host-root", host_root, "--policy-interval-ms", "100"]);
     let (s, _) = daemon.wait_status(Duration::from_secs(10), |s| {
         s.policy.as_ref().is_some_and(|p| p.mode == "performance" && p.mode_changes > 0)
     });

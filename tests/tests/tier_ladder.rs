@@ -28,9 +28,7 @@ fn start(flash_dir: &std::path::Path, extra: &[&str]) -> Daemon {
 /// A daemon with room to spare in every tier (64 MiB device, 16 MiB DRAM and flash), so pages move
 /// only when a test moves them, plus `extra`.
 fn start_roomy(flash_dir: &std::path::Path, extra: &[&str]) -> Daemon {
-    let mut args = vec!["--device-budget", "64MiB", "--dram-budget", "16MiB", "--flash-budget", "16MiB"];
-    args.extend_from_slice(extra);
-    start(flash_dir, &args)
+    Daemon::start_tiered("64MiB", flash_dir, extra)
 }
 
 fn lossless_ladder_on(engine: &str) {

@@ -21,18 +21,7 @@ fn holds_canary(bytes: &[u8]) -> bool {
 }
 
 fn start(flash: &std::path::Path) -> Daemon {
-    Daemon::start(&[
-        "--device-budget",
-        "64MiB",
-        "--dram-budget",
-        "16MiB",
-        "--flash-budget",
-        "16MiB",
-        "--flash-dir",
-        flash.to_str().unwrap(),
-        "--demote-format",
-        "none",
-    ])
+    Daemon::start_tiered("64MiB", flash, &["--demote-format", "none"])
 }
 
 #[test]
