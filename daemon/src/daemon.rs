@@ -221,7 +221,7 @@ impl Daemon {
         let dram = (t.dram_budget > 0).then(|| DramPool::new(t.dram_budget, t.seal_dram)).transpose()?;
         let (flash, io_engine) = if t.flash_budget > 0 {
             if let Some(dir) = t.flash_path.parent() {
-                std::fs::create_dir_all(dir)
+                create_private_dir(dir)
                     .map_err(|e| Error::io(format!("cannot create the flash directory {}", dir.display()), e))?;
             }
             let buffers = IoBuffers::new(RUN_BYTES, 16).map_err(kvmm_store::tier::TierError::from)?;
@@ -984,6 +984,13 @@ fn quota_from(geometry: &Geometry, quota_tokens: u32, evict: bool) -> Result<Quo
     Ok(Quota { pages_per_layer: Some(quota_tokens / bt), evict })
 }
 
+/// Creates `dir` and any missing parents with mode 0700 (the flash file's directory: only the
+/// daemon's user may list or open what is in it). A directory that exists is left as it is.
+fn create_private_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)
+}
+
 /// Checks that a page is inside the geometry and allocated.
 fn check_page(s: &Session, layer: u32, block: u32) -> Result<()> {
     if layer >= s.geometry.layers {
@@ -1145,4 +1152,24 @@ fn destroy(core: &mut Core, flash: Option<&Mutex<FlashFile>>, id: u64, status: T
     // Published after the frames are zeroed: a client that sees the status sees zeros.
     s.table.set_status(status)?;
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::create_private_dir;
+
+    #[test]
+    fn the_flash_directory_is_created_private_and_an_existing_one_is_left_alone() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("state/kvmm");
+        create_private_dir(&dir).unwrap();
+        for d in [&dir, &root.path().join("state")] {
+            assert_eq!(std::fs::metadata(d).unwrap().permissions().mode() & 0o777, 0o700, "{}", d.display());
+        }
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o750)).unwrap();
+        create_private_dir(&dir).unwrap();
+        assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o750);
+    }
 }
