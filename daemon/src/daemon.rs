@@ -279,19 +279,25 @@ impl Daemon {
         if fresh.host_root != self.config.policy.host_root || fresh.interval != self.config.policy.interval {
             tracing::warn!("policy host_root and interval_ms changes take effect when kvmmd restarts");
         }
+        self.apply_policy(fresh, "reloaded");
+        Ok(())
+    }
+
+    /// Puts a freshly resolved policy in force, applied to the last reading at once; `how` says
+    /// where it came from in the log ("reloaded", "set by an operator").
+    fn apply_policy(&self, fresh: crate::config::Policy, how: &str) {
         if fresh.precision != self.policy.lock().view().precision {
             let floors: Vec<String> = fresh.precision.floors.iter().map(ToString::to_string).collect();
-            tracing::info!(adaptive = fresh.precision.adaptive, floors = %floors.join(","), "precision reloaded");
+            tracing::info!(adaptive = fresh.precision.adaptive, floors = %floors.join(","), "precision {how}");
         }
         let change = self.policy.lock().reload(&self.config, fresh.modes, fresh.precision);
         match change {
             Some(c) => {
-                tracing::info!(mode = %c.mode, memory_pressure = ?c.pressure, cause = %c.cause, "policy reloaded")
+                tracing::info!(mode = %c.mode, memory_pressure = ?c.pressure, cause = %c.cause, "policy {how}")
             }
-            None => tracing::info!("policy reloaded; the mode is unchanged"),
+            None => tracing::info!("policy {how}; the mode is unchanged"),
         }
         self.wake_tiers();
-        Ok(())
     }
 
     /// What the mode in force sets.
@@ -386,13 +392,7 @@ impl Daemon {
     /// Admin `SetPolicy`: replaces the running policy with a `[policy]` table's body (validated
     /// like the file's; flags still win), applied to the last reading at once.
     pub fn set_policy(&self, text: &str) -> Result<()> {
-        let fresh = self.config.policy_from_toml(text)?;
-        let change = self.policy.lock().reload(&self.config, fresh.modes, fresh.precision);
-        match change {
-            Some(c) => tracing::info!(mode = %c.mode, cause = %c.cause, "policy set by an operator"),
-            None => tracing::info!("policy set by an operator; the mode is unchanged"),
-        }
-        self.wake_tiers();
+        self.apply_policy(self.config.policy_from_toml(text)?, "set by an operator");
         Ok(())
     }
 
