@@ -87,6 +87,8 @@ pub struct Daemon {
     pub io_engine: Option<(EngineKind, Option<String>)>,
     /// Wakes the tier task (a prefetch hint arrived, or memory is short).
     pub tier_wanted: (std::sync::Mutex<bool>, std::sync::Condvar),
+    /// When the tier mover and the policy loop last went round (the watchdog feeds on them).
+    pub heartbeats: crate::systemd::Heartbeats,
     /// The mode in force and what it sets. Taken after the core lock, never before it.
     pub policy: Mutex<LivePolicy>,
     /// Metric families: latencies and counts measured as they happen; encoded (with the families
@@ -268,6 +270,7 @@ impl Daemon {
             flash,
             io_engine,
             tier_wanted: (std::sync::Mutex::new(false), std::sync::Condvar::new()),
+            heartbeats: crate::systemd::Heartbeats::default(),
         }))
     }
 

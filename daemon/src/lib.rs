@@ -5,7 +5,7 @@
 //! over SCM_RIGHTS), [`pool`] (arenas, frames, accounting), [`session`] (registry, page tables),
 //! [`migrate`] (the page-move primitive, compaction, tiering), [`policy`] (sensors and modes),
 //! [`metrics`] (the Prometheus families), [`ratelog`] (rate limits of log lines clients can
-//! trigger), and [`daemon`] (the shared state and the operations the servers call). See
+//! trigger), [`systemd`] (notifications, the watchdog's heartbeats), and [`daemon`] (the shared state and the operations the servers call). See
 //! ARCHITECTURE.md.
 
 pub mod config;
@@ -21,3 +21,4 @@ pub mod ratelog;
 pub mod runtime_dir;
 pub mod server;
 pub mod session;
+pub mod systemd;

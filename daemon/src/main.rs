@@ -79,6 +79,8 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
+    // First, before anything else opens fds: the sockets systemd passed, if any.
+    let passed = kvmm_shm::activation::take_listen_fds()?;
     let file = match &cli.config {
         Some(path) => FileConfig::load(path)?,
         None => FileConfig::default(),
@@ -107,7 +109,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let dir = RuntimeDir::acquire(&config.runtime_dir)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let daemon = Daemon::new(config)?;
-    runtime.block_on(kvmm_daemon::server::run(daemon, dir))?;
+    runtime.block_on(kvmm_daemon::server::run(daemon, dir, passed))?;
     Ok(())
 }
 

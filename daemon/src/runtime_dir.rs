@@ -3,8 +3,9 @@
 //!
 //! The lock is an `flock` on `kvmmd.lock`, held for the life of the process and released by the
 //! kernel however the process ends, so a crashed daemon never blocks its successor. The file holds
-//! the owner's pid for the refusal message. Stale sockets left by a crashed daemon are removed only
-//! after the lock is taken.
+//! the owner's pid for the refusal message. A stale socket left by a crashed daemon is removed only
+//! after the lock is taken, and only when kvmmd is about to bind that socket itself: sockets that
+//! systemd passed in belong to their socket units and are neither removed nor re-moded.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, Write};
@@ -24,16 +25,19 @@ pub const ADMIN_SOCKET: &str = "kvmm-admin.sock";
 /// File name of the lock.
 pub const LOCK_FILE: &str = "kvmmd.lock";
 
-/// A runtime directory this process holds the lock of. Dropping it removes the sockets.
+/// A runtime directory this process holds the lock of. Dropping it removes the sockets this
+/// process bound.
 #[derive(Debug)]
 pub struct RuntimeDir {
     dir: PathBuf,
     /// Held open for the flock; closing it releases the lock.
     _lock: File,
+    /// Socket files this process bound (and so removes).
+    bound: Vec<&'static str>,
 }
 
 impl RuntimeDir {
-    /// Creates `dir` if needed, takes its lock, and removes stale sockets.
+    /// Creates `dir` if needed and takes its lock.
     pub fn acquire(dir: &Path) -> Result<Self> {
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -63,9 +67,7 @@ impl RuntimeDir {
             .and_then(|()| lock.rewind())
             .and_then(|()| writeln!(lock, "{}", std::process::id()))
             .map_err(|e| Error::io(format!("cannot write the pid into {}", lock_path.display()), e))?;
-        let this = RuntimeDir { dir: dir.to_owned(), _lock: lock };
-        this.remove_sockets();
-        Ok(this)
+        Ok(RuntimeDir { dir: dir.to_owned(), _lock: lock, bound: Vec::new() })
     }
 
     /// The directory.
@@ -85,16 +87,24 @@ impl RuntimeDir {
             .map_err(|e| Error::io(format!("cannot set the mode of {}", path.display()), e))
     }
 
-    fn remove_sockets(&self) {
-        for name in [SESSION_SOCKET, FD_SOCKET, ADMIN_SOCKET] {
-            let _ = std::fs::remove_file(self.join(name));
+    /// Makes way for binding socket `name`: removes a stale file of that name (a crashed daemon's;
+    /// the lock proves no live kvmmd serves it) and records that this process owns the socket, so
+    /// dropping the directory removes it. Returns its path.
+    pub fn claim_socket(&mut self, name: &'static str) -> PathBuf {
+        let path = self.join(name);
+        let _ = std::fs::remove_file(&path);
+        if !self.bound.contains(&name) {
+            self.bound.push(name);
         }
+        path
     }
 }
 
 impl Drop for RuntimeDir {
     fn drop(&mut self) {
-        self.remove_sockets();
+        for name in &self.bound {
+            let _ = std::fs::remove_file(self.dir.join(name));
+        }
     }
 }
 
@@ -112,5 +122,20 @@ mod tests {
         assert!(msg.contains("already serving"), "{msg}");
         drop(first);
         RuntimeDir::acquire(tmp.path()).unwrap();
+    }
+
+    #[test]
+    fn only_claimed_sockets_are_removed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut dir = RuntimeDir::acquire(tmp.path()).unwrap();
+        // A passed socket's file (systemd's) and a stale one kvmmd will bind over.
+        std::fs::write(tmp.path().join(SESSION_SOCKET), b"").unwrap();
+        std::fs::write(tmp.path().join(FD_SOCKET), b"stale").unwrap();
+        let path = dir.claim_socket(FD_SOCKET);
+        assert!(!path.exists(), "the stale file is gone before the bind");
+        std::fs::write(&path, b"bound").unwrap();
+        drop(dir);
+        assert!(tmp.path().join(SESSION_SOCKET).exists(), "a socket kvmmd did not bind stays");
+        assert!(!tmp.path().join(FD_SOCKET).exists(), "a socket kvmmd bound is removed");
     }
 }

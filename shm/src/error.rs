@@ -210,6 +210,10 @@ pub enum ShmError {
         found: String,
     },
 
+    /// The service manager's socket-activation variables (`LISTEN_PID`, `LISTEN_FDS`) are malformed.
+    #[error("socket activation: {0}; check the service's socket units")]
+    Activation(String),
+
     /// The peer closed the connection before a message arrived.
     #[error("the peer closed the fd socket before sending a message")]
     PeerClosed,
@@ -239,6 +243,7 @@ impl ShmError {
             }
             ShmError::Malformed { .. } | ShmError::Truncated { .. } => ShmErrorKind::Malformed,
             ShmError::PeerClosed => ShmErrorKind::PeerClosed,
+            ShmError::Activation(_) => ShmErrorKind::InvalidArgument,
         }
     }
 

@@ -3,8 +3,9 @@
 //!
 //! All of kvmm's `unsafe` for shared memory lives in this crate: `mmap`/`munmap` and raw byte copies
 //! ([`mapping`]), atomic views over shared memory ([`table`], [`region`]), and one `getsockopt`
-//! ([`fdpass`], for `SO_PEERCRED`; everything else there goes through rustix's safe API). Each file
-//! opens with a doc comment saying what it owns and the invariants its `unsafe` relies on.
+//! ([`fdpass`], for `SO_PEERCRED`; everything else there goes through rustix's safe API), and
+//! adopting the fds systemd passes ([`activation`]). Each file opens with a doc comment saying what
+//! it owns and the invariants its `unsafe` relies on.
 //!
 //! | file | owns |
 //! |---|---|
@@ -18,10 +19,13 @@
 //! | [`table`] | [`SessionTable`], [`EntryWriter`] |
 //! | [`region`] | [`ClientRegion`] |
 //! | [`fdpass`] | `SOCK_SEQPACKET` + `SCM_RIGHTS`, request and reply frames |
+//! | [`activation`] | sockets passed by systemd (`LISTEN_FDS`) adopted as owned fds |
 //!
 //! Builds with `--cfg loom` compile only [`state`] and [`protocol`] (over loom's atomics), for
 //! `tests/loom_protocol.rs`.
 
+#[cfg(not(loom))]
+pub mod activation;
 #[cfg(not(loom))]
 pub mod error;
 #[cfg(not(loom))]

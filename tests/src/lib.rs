@@ -114,11 +114,7 @@ impl Daemon {
 
     /// Runs `call` against a fresh admin connection.
     pub fn admin<T>(&self, call: impl AsyncFnOnce(AdminClient<tonic::transport::Channel>) -> T) -> T {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        rt.block_on(async {
-            let channel = kvmm_client::connect::channel(&self.dir.path().join("kvmm-admin.sock")).await.unwrap();
-            call(AdminClient::new(channel)).await
-        })
+        admin_at(&self.dir.path().join("kvmm-admin.sock"), call)
     }
 
     /// Admin `Status`.
@@ -233,6 +229,20 @@ impl Daemon {
             .collect();
         Stopped { status, log: self.log(), leftover_sockets }
     }
+}
+
+/// Runs `call` against a fresh connection to the admin socket at `socket`.
+pub fn admin_at<T>(socket: &Path, call: impl AsyncFnOnce(AdminClient<tonic::transport::Channel>) -> T) -> T {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let channel = kvmm_client::connect::channel(socket).await.unwrap();
+        call(AdminClient::new(channel)).await
+    })
+}
+
+/// Admin `Status` from the admin socket at `socket`.
+pub fn admin_status(socket: &Path) -> StatusResponse {
+    admin_at(socket, async |mut admin| admin.status(StatusRequest {}).await.unwrap().into_inner())
 }
 
 /// How a daemon ended.

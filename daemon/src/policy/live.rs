@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::mode::{Change, Mode, ModePolicy, Planner, Pressure, Tuning, tuning};
 use super::precision::{Demotion, PrecisionPolicy};
-use super::sensors::{HostRoot, PressureWatch, Signals};
+use super::sensors::{HostRoot, PressureWatch, Signals, Wake};
 use crate::config::Resolved;
 use crate::daemon::Daemon;
 
@@ -173,6 +173,18 @@ pub fn policy_task(daemon: Arc<Daemon>) {
             tracing::info!(mode = %c.mode, memory_pressure = ?c.pressure, cause = %c.cause, "policy mode");
             daemon.wake_tiers();
         }
-        watch.wait(config.policy.interval);
+        // Wait out the interval in beats, so the watchdog sees the loop alive however long the
+        // interval; a PSI trigger ends the wait early.
+        let next = Instant::now() + config.policy.interval;
+        loop {
+            daemon.heartbeats.beat(crate::systemd::Loop::Policy);
+            let left = next.saturating_duration_since(Instant::now());
+            if left.is_zero() || daemon.is_shutting_down() {
+                break;
+            }
+            if watch.wait(left.min(crate::systemd::BEAT_EVERY)) == Wake::Triggered {
+                break;
+            }
+        }
     }
 }
