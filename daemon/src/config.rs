@@ -224,6 +224,8 @@ pub struct Overrides {
     pub host_root: Option<PathBuf>,
     /// `--policy-interval-ms`.
     pub policy_interval_ms: Option<u64>,
+    /// `--debug-hang LOOP:MS`: the loop stops for good after MS milliseconds (tests of the watchdog).
+    pub debug_hang: Option<String>,
 }
 
 /// The merged configuration with every value decided.
@@ -248,6 +250,8 @@ pub struct Resolved {
     /// Faults armed in the flash tier's I/O engine at start (tests of the failure paths), as
     /// `OP:ERRNO:COUNT` items separated by commas: OP `read` or `write`, ERRNO `EIO` or `ENOSPC`.
     pub debug_io_faults: Vec<kvmm_store::io::Fault>,
+    /// A watched loop that hangs for good this long after start (tests of the watchdog).
+    pub debug_hang: Option<(crate::systemd::Loop, std::time::Duration)>,
     /// The tiers below the device.
     pub tiers: Tiers,
     /// Modes and sensors.
@@ -360,6 +364,7 @@ impl FileConfig {
             compaction_interval: (interval > 0).then(|| std::time::Duration::from_millis(interval)),
             debug_move_churn: cli.debug_move_churn,
             debug_io_faults: cli.debug_io_faults.as_deref().map(parse_io_faults).transpose()?.unwrap_or_default(),
+            debug_hang: cli.debug_hang.as_deref().map(parse_hang).transpose()?,
         })
     }
 }
@@ -387,6 +392,18 @@ fn parse_io_faults(text: &str) -> Result<Vec<kvmm_store::io::Fault>> {
             }
         })
         .collect()
+}
+
+/// `--debug-hang LOOP:MS`, LOOP `tiers` or `policy`.
+fn parse_hang(text: &str) -> Result<(crate::systemd::Loop, std::time::Duration)> {
+    let bad = || Error::InvalidArgument(format!("--debug-hang '{text}' is not LOOP:MS (tiers|policy : milliseconds)"));
+    let (which, ms) = text.split_once(':').ok_or_else(bad)?;
+    let which = match which {
+        "tiers" => crate::systemd::Loop::Tiers,
+        "policy" => crate::systemd::Loop::Policy,
+        _ => return Err(bad()),
+    };
+    Ok((which, std::time::Duration::from_millis(ms.parse().map_err(|_| bad())?)))
 }
 
 /// Decides the `[tiers]` values: flags over the file over defaults.

@@ -314,6 +314,21 @@ impl Daemon {
         self.policy.lock().demotion()
     }
 
+    /// Records that a watched loop went round. Under `--debug-hang` that loop stops here for good
+    /// once its time has come, as a deadlocked one would.
+    pub fn beat(&self, which: crate::systemd::Loop) {
+        if let Some((hung, after)) = self.config.debug_hang
+            && hung == which
+            && self.started.elapsed() >= after
+        {
+            tracing::warn!(loop_ = which.name(), "debug hang: this loop stops here for good (a test mode)");
+            loop {
+                std::thread::park();
+            }
+        }
+        self.heartbeats.beat(which);
+    }
+
     /// Wakes the tier task.
     pub fn wake_tiers(&self) {
         let (flag, cv) = &self.tier_wanted;

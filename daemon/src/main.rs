@@ -65,6 +65,9 @@ struct Cli {
     /// Milliseconds between sensor readings [default: 1000].
     #[arg(long, value_name = "MS")]
     policy_interval_ms: Option<u64>,
+    /// Test mode: a watched loop (tiers or policy) stops for good MS milliseconds after start.
+    #[arg(long, hide = true, value_name = "LOOP:MS")]
+    debug_hang: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -102,6 +105,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         mode: cli.mode,
         host_root: cli.host_root,
         policy_interval_ms: cli.policy_interval_ms,
+        debug_hang: cli.debug_hang,
     };
     let mut config = file.resolve(overrides, &Environment::from_process()?)?;
     config.config_file = cli.config;

@@ -69,7 +69,7 @@ pub fn tier_task(daemon: Arc<Daemon>) {
     // When free memory was last given back under pressure.
     let mut last_release: Option<Instant> = None;
     while !daemon.is_shutting_down() {
-        daemon.heartbeats.beat(crate::systemd::Loop::Tiers);
+        daemon.beat(crate::systemd::Loop::Tiers);
         {
             let (flag, cv) = &daemon.tier_wanted;
             let mut wanted = flag.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

@@ -177,7 +177,7 @@ pub fn policy_task(daemon: Arc<Daemon>) {
         // interval; a PSI trigger ends the wait early.
         let next = Instant::now() + config.policy.interval;
         loop {
-            daemon.heartbeats.beat(crate::systemd::Loop::Policy);
+            daemon.beat(crate::systemd::Loop::Policy);
             let left = next.saturating_duration_since(Instant::now());
             if left.is_zero() || daemon.is_shutting_down() {
                 break;
