@@ -20,7 +20,8 @@ pub enum InferErrorKind {
     /// A call was given arguments that do not fit the model or the cache (token id, position,
     /// buffer length).
     InvalidArgument,
-    /// A KV cache implementation failed on its own terms (out of memory, lost its daemon, ...).
+    /// A KV cache implementation failed on its own terms (out of memory, lost its daemon, ...), or
+    /// could not be set up (kvmmd unreachable, a session refused).
     Cache,
 }
 
@@ -117,6 +118,16 @@ pub enum InferError {
         /// The implementation's own error.
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+
+    /// A KV cache could not be set up or asked about itself (kvmmd unreachable, a session refused,
+    /// statistics or a recompression refused).
+    #[error("the KV cache could not {what}")]
+    CacheSetup {
+        /// What was being done, as the end of the sentence "the KV cache could not ...".
+        what: String,
+        /// The implementation's own error.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 impl InferError {
@@ -129,7 +140,7 @@ impl InferError {
             }
             Self::Config { .. } | Self::WeightShape { .. } => InferErrorKind::BadConfig,
             Self::InvalidArgument(_) | Self::Kernel { .. } => InferErrorKind::InvalidArgument,
-            Self::Cache { .. } => InferErrorKind::Cache,
+            Self::Cache { .. } | Self::CacheSetup { .. } => InferErrorKind::Cache,
         }
     }
 }

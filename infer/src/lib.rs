@@ -1,13 +1,12 @@
-//! `kvmm-infer`: a small llama-family inference engine that will keep its KV cache in kvmm.
+//! `kvmm-infer`: a small llama-family inference engine that keeps its KV cache in kvmm.
 //!
-//! It runs two model families on the CPU, one token at a time, with an in-process KV cache, and
-//! dumps real queries, keys and values as test fixtures for the kernels:
+//! It runs two model families on the CPU, one token at a time, with its KV cache in a kvmm session
+//! ([`KvmmKvCache`]) or in process ([`LocalKvCache`]), and dumps real queries, keys and values as
+//! test fixtures for the kernels:
 //!
 //! - llama2.c checkpoints (stories260K), all `f32`, reproducing `run.c`'s greedy output exactly;
 //! - llama-architecture GGUF files (SmolLM2-135M-Instruct), with `Q4_1`/`Q8_0` matrices kept
 //!   quantized, a byte-level BPE tokenizer from the file's metadata, and its ChatML template.
-//!
-//! Later a kvmm-backed cache plugs in behind [`KvCache`].
 //!
 //! # Layers
 //!
@@ -18,7 +17,9 @@
 //!   GGUF file's byte-level BPE, with stop tokens and chat template.
 //! - [`Matrix`] ([`matmul`]): the matrix–vector seam, over `f32` or quantized blocks ([`quant`]);
 //!   [`Rope`] ([`rope`]): rotary embedding.
-//! - [`KvCache`] ([`kv_cache`]): the cache seam, with [`LocalKvCache`] in process.
+//! - [`KvCache`] ([`kv_cache`]): the cache seam, with [`LocalKvCache`] in process and
+//!   [`KvmmKvCache`] ([`kvmm_cache`]) in a kvmm session (heads zero-padded to kvmm's 16-channel
+//!   step); [`kv_format`]: what `--kv-format` asks of the daemon.
 //! - [`Forward`] ([`forward`]): one token through the network; [`generate_greedy`] ([`generate`]).
 //! - [`KvTrace`] ([`trace`]): queries, keys and values recorded over a sequence, written as a
 //!   `.kvfx` fixture by [`fixture`].
@@ -79,6 +80,8 @@ pub mod forward;
 pub mod generate;
 pub mod gguf;
 pub mod kv_cache;
+pub mod kv_format;
+pub mod kvmm_cache;
 pub mod matmul;
 pub mod model;
 pub mod quality;
@@ -92,6 +95,8 @@ pub use error::{InferError, InferErrorKind};
 pub use forward::Forward;
 pub use generate::{Generation, Stop, argmax, generate_greedy};
 pub use kv_cache::{KvCache, LocalKvCache};
+pub use kv_format::{KvFormat, Recompression};
+pub use kvmm_cache::{KvmmCacheOptions, KvmmKvCache};
 pub use matmul::{Matrix, WeightFormat};
 pub use model::{Classifier, LayerWeights, Model, Weights};
 pub use rope::Rope;
