@@ -28,12 +28,15 @@
 //!
 //! # Tools
 //!
-//! `kvmm-generate` runs a prompt greedily and reports tokens per second; with a GGUF chat model it
-//! wraps the prompt in the model's chat template (`--raw` feeds it as is):
+//! `kvmm-generate` runs a prompt greedily and reports tokens per second; `--chat` wraps the prompt
+//! in the model's chat template (a GGUF chat model gets it by default, `--raw` feeds the prompt as
+//! is). `--kv kvmm` keeps the KV cache in a session of the kvmmd at `--socket` (default
+//! `kvmm_client::default_socket()`), `--kv local` (the default) in process; `--kv-format` says what
+//! old pages become ([`kv_format`]):
 //!
 //! ```text
-//! cargo run --release -p kvmm-infer --bin kvmm-generate -- \
-//!     --model ~/.cache/kvmm/models/SmolLM2-135M-Instruct.Q4_1.gguf --prompt "What is the capital of France?"
+//! cargo run --release -p kvmm-infer --bin kvmm-generate -- --kv kvmm \
+//!     --model ~/.cache/kvmm/models/SmolLM2-135M-Instruct.Q4_1.gguf --chat --prompt "What is the capital of France?"
 //! ```
 //!
 //! `kvmm-dump-kv` runs a model over a token sequence and writes its post-RoPE queries, keys and
