@@ -68,6 +68,17 @@ impl NotifySocket {
     }
 }
 
+/// Kills the process (and so the socket-activation chain that exec'd into kvmmd) if a test fails
+/// before it exits.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 fn geometry() -> Geometry {
     Geometry {
         layers: 2,
@@ -97,7 +108,7 @@ fn socket_activated_kvmmd_notifies_reloads_and_stops_in_order() {
     // The outer instance binds the two stream sockets and, on the first connection, execs the
     // inner one, which binds the fd socket (SOCK_SEQPACKET) and passes the outer's fds through:
     // kvmmd gets fd 3 = session, 4 = admin, 5 = fd, named.
-    let mut child = Command::new("systemd-socket-activate")
+    let child = Command::new("systemd-socket-activate")
         .arg("-l")
         .arg(d.join("kvmm.sock"))
         .arg("-l")
@@ -123,6 +134,7 @@ fn socket_activated_kvmmd_notifies_reloads_and_stops_in_order() {
         .stderr(std::fs::File::create(&log_path).unwrap())
         .spawn()
         .unwrap();
+    let mut child = KillOnDrop(child);
     let deadline = Instant::now() + Duration::from_secs(10);
     while !d.join("kvmm-admin.sock").exists() {
         assert!(Instant::now() < deadline, "systemd-socket-activate did not bind; log:\n{}", log());
@@ -156,7 +168,7 @@ fn socket_activated_kvmmd_notifies_reloads_and_stops_in_order() {
 
     // SIGHUP: RELOADING=1, then READY=1, and the new policy is in force.
     std::fs::write(&config, "[policy]\nmode = \"powersave\"\n").unwrap();
-    let pid = rustix::process::Pid::from_raw(child.id() as i32).unwrap();
+    let pid = rustix::process::Pid::from_raw(child.0.id() as i32).unwrap();
     rustix::process::kill_process(pid, rustix::process::Signal::HUP).unwrap();
     let reloading = notify.expect("RELOADING=1", Duration::from_secs(10), &log);
     assert!(reloading.contains("MONOTONIC_USEC="), "{reloading:?}");
@@ -169,7 +181,7 @@ fn socket_activated_kvmmd_notifies_reloads_and_stops_in_order() {
     let stop = Instant::now();
     rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
     notify.expect("STOPPING=1", Duration::from_secs(5), &log);
-    let status = wait_timeout(&mut child, Duration::from_secs(5))
+    let status = wait_timeout(&mut child.0, Duration::from_secs(5))
         .unwrap_or_else(|| panic!("kvmmd did not exit within 5 s of SIGTERM; log:\n{}", log()));
     let took = stop.elapsed();
     assert!(status.success(), "kvmmd exits 0 after SIGTERM, got {status}; log:\n{}", log());
@@ -195,7 +207,7 @@ fn a_passed_socket_kvmmd_cannot_place_is_refused_with_a_sentence() {
     let d = dir.path();
     let log_path = d.join("kvmmd.log");
     // A stream socket named "fd" where kvmmd wants SOCK_SEQPACKET.
-    let mut child = Command::new("systemd-socket-activate")
+    let child = Command::new("systemd-socket-activate")
         .arg("-l")
         .arg(d.join("kvmm-fd.sock"))
         .arg("--fdname=fd")
@@ -207,12 +219,13 @@ fn a_passed_socket_kvmmd_cannot_place_is_refused_with_a_sentence() {
         .stderr(std::fs::File::create(&log_path).unwrap())
         .spawn()
         .unwrap();
+    let mut child = KillOnDrop(child);
     let deadline = Instant::now() + Duration::from_secs(10);
     while std::os::unix::net::UnixStream::connect(d.join("kvmm-fd.sock")).is_err() {
         assert!(Instant::now() < deadline, "systemd-socket-activate did not bind");
         std::thread::sleep(Duration::from_millis(10));
     }
-    let status = wait_timeout(&mut child, Duration::from_secs(10)).expect("kvmmd refuses and exits");
+    let status = wait_timeout(&mut child.0, Duration::from_secs(10)).expect("kvmmd refuses and exits");
     let log = std::fs::read_to_string(&log_path).unwrap();
     assert!(!status.success(), "{log}");
     assert!(
@@ -231,7 +244,7 @@ fn the_watchdog_is_fed_only_while_the_tier_mover_and_policy_loop_run() {
         let mut notify = NotifySocket::bind(&d.join("notify"));
         let log_path = d.join("kvmmd.log");
         let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
-        let mut child = Command::new(kvmmd_bin())
+        let child = Command::new(kvmmd_bin())
             .arg("--runtime-dir")
             .arg(d)
             .args(["--device-budget", "16MiB", "--dram-budget", "16MiB"])
@@ -243,6 +256,7 @@ fn the_watchdog_is_fed_only_while_the_tier_mover_and_policy_loop_run() {
             .stderr(std::fs::File::create(&log_path).unwrap())
             .spawn()
             .unwrap();
+        let child = KillOnDrop(child);
         notify.expect("READY=1", Duration::from_secs(20), &log);
         assert!(notify.count("WATCHDOG=1", Duration::from_millis(1200)) >= 1, "fed while both loops run");
         let unhealthy = notify.expect("STATUS=unhealthy", Duration::from_secs(10), &log);
@@ -250,7 +264,6 @@ fn the_watchdog_is_fed_only_while_the_tier_mover_and_policy_loop_run() {
         assert!(unhealthy.contains(name), "the status names the stalled loop: {unhealthy:?}");
         assert_eq!(notify.count("WATCHDOG=1", Duration::from_millis(2000)), 0, "no ping once a loop stalls");
         assert!(log().contains("no longer feeding the watchdog"), "{}", log());
-        let _ = child.kill();
-        let _ = child.wait();
+        drop(child);
     }
 }

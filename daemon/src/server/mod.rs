@@ -194,6 +194,9 @@ fn take_listeners(daemon: &Daemon, dir: &mut RuntimeDir, passed: Vec<PassedFd>) 
 /// then shuts down in order.
 pub async fn run(daemon: Arc<Daemon>, mut dir: RuntimeDir, passed: Vec<PassedFd>) -> Result<()> {
     let notifier = Arc::new(Notifier::from_env());
+    // Before any socket exists: from then on SIGHUP and SIGTERM are kvmmd's to handle (they wait
+    // until serving starts), never the default action's.
+    let mut signals = Signals::new()?;
     let Listeners { session: session_listener, admin: admin_listener, fd: fd_listener, passed } =
         take_listeners(&daemon, &mut dir, passed)?;
 
@@ -285,7 +288,6 @@ pub async fn run(daemon: Arc<Daemon>, mut dir: RuntimeDir, passed: Vec<PassedFd>
         background.push(tokio::spawn(watchdog_task(daemon.clone(), notifier.clone(), interval, watched)));
     }
 
-    let mut signals = Signals::new()?;
     signals.serve(&daemon, &notifier).await;
 
     tracing::info!("shutting down: no new work is admitted");
