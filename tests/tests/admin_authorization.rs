@@ -7,13 +7,20 @@
 //! - a member of the configured admin group is served.
 //!
 //! Needs root (to run the caller as uid 65534 with `setpriv`); otherwise skipped with the reason.
+//!
+//! Under the unit's sandbox (`KVMM_SANDBOX`), kvmmd has no `CAP_CHOWN`, so a kvmmd that binds its
+//! own admin socket can hand it to the admin group only as a member of that group: without, it
+//! refuses to start and says why (under systemd, `kvmmd-admin.socket` sets `SocketGroup=`); with
+//! the group as a supplementary group (as `SupplementaryGroups=` would give it) it is served.
 
 #![allow(clippy::unwrap_used)]
 
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
-use kvmm_tests::{Daemon, Worker, can_run_as_nobody, client_args, client_bin, fields, spawn_client};
+use kvmm_tests::{
+    Daemon, NOBODY, Worker, can_run_as_nobody, client_args, client_bin, fields, kvmmd_command, sandboxed, spawn_client,
+};
 
 fn as_nobody(args: &[String], groups: Option<&str>) -> Worker {
     Worker::spawn_cmd(kvmm_tests::as_nobody(&client_bin(), groups).args(args))
@@ -75,7 +82,8 @@ fn a_member_of_the_admin_group_is_served() {
     if !can_run_as_nobody() {
         return;
     }
-    let daemon = Daemon::start(&["--device-budget", "64MiB", "--admin-group", "nogroup"]);
+    let args = ["--device-budget", "64MiB", "--admin-group", "nogroup"];
+    let daemon = if sandboxed() { admin_group_daemon_in_the_sandbox(&args) } else { Daemon::start(&args) };
     let socket = daemon.dir().join("kvmm-admin.sock");
     let args = client_args("admin-all", &daemon, &["--admin-socket", socket.to_str().unwrap(), "--session", "7"]);
     // uid 65534 with gid 65534 (nogroup): the socket's group lets it connect, the service serves it.
@@ -88,4 +96,17 @@ fn a_member_of_the_admin_group_is_served() {
     assert_eq!(codes["Session"], "NotFound", "no session 7: {line}");
     out.wait(Duration::from_secs(10));
     assert!(daemon.stop().success());
+}
+
+/// A sandboxed kvmmd with the admin group `nogroup` (gid 65534, [`NOBODY`]'s): first not a member,
+/// which must refuse to start naming the cause, then a member.
+fn admin_group_daemon_in_the_sandbox(args: &[&str]) -> Daemon {
+    let dir = tempfile::tempdir().unwrap();
+    let out = kvmmd_command().arg("--runtime-dir").arg(dir.path()).args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    println!("sandboxed kvmmd outside the admin group: {}", err.trim());
+    assert!(!out.status.success() && err.contains("admin socket to the admin group"), "{out:?}");
+    let mut kvmmd = kvmmd_command();
+    kvmmd.env("KVMM_SANDBOX_GROUPS", NOBODY);
+    Daemon::start_with(kvmmd, None, args)
 }

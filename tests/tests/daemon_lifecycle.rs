@@ -4,10 +4,12 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use kvmm_tests::{Daemon, fields, kvmmd_bin, spawn_client, wait_timeout};
+use kvmm_tests::{
+    Daemon, can_run_as_nobody, fields, kvmmd_command, kvmmd_command_as_nobody, spawn_client, wait_timeout,
+};
 
 fn wait_for(path: &std::path::Path) {
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -20,7 +22,7 @@ fn wait_for(path: &std::path::Path) {
 #[test]
 fn a_second_daemon_on_the_same_directory_refuses_to_start() {
     let daemon = Daemon::start(&[]);
-    let out = Command::new(kvmmd_bin()).arg("--runtime-dir").arg(daemon.dir()).output().unwrap();
+    let out = kvmmd_command().arg("--runtime-dir").arg(daemon.dir()).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("already serving") && err.contains(&daemon.pid().to_string()), "{err}");
@@ -31,8 +33,7 @@ fn a_second_daemon_on_the_same_directory_refuses_to_start() {
 #[test]
 fn embedded_defaults_serve_from_runtime_directory_and_sigint_exits_cleanly() {
     let dir = tempfile::tempdir().unwrap();
-    let mut child =
-        Command::new(kvmmd_bin()).env("RUNTIME_DIRECTORY", dir.path()).stderr(Stdio::null()).spawn().unwrap();
+    let mut child = kvmmd_command().env("RUNTIME_DIRECTORY", dir.path()).stderr(Stdio::null()).spawn().unwrap();
     wait_for(&dir.path().join("kvmm-admin.sock"));
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(child.id() as i32).unwrap(),
@@ -48,15 +49,12 @@ fn embedded_defaults_serve_from_runtime_directory_and_sigint_exits_cleanly() {
 
 #[test]
 fn an_ordinary_user_gets_a_directory_under_xdg_runtime_dir() {
-    if !rustix::process::geteuid().is_root() || Command::new("setpriv").arg("--version").output().is_err() {
-        println!("skipped: needs root and setpriv to run kvmmd as an ordinary user");
+    if !can_run_as_nobody() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
     std::os::unix::fs::chown(dir.path(), Some(65534), Some(65534)).unwrap();
-    let mut child = Command::new("setpriv")
-        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups", "--"])
-        .arg(kvmmd_bin())
+    let mut child = kvmmd_command_as_nobody()
         .env_remove("RUNTIME_DIRECTORY")
         .env("XDG_RUNTIME_DIR", dir.path())
         .stderr(Stdio::null())
@@ -76,15 +74,13 @@ fn a_configuration_with_an_unknown_key_is_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("kvmmd.toml");
     std::fs::write(&config, "device_budget = \"64MiB\"\ncompaction_intervall_ms = 5\n").unwrap();
-    let out =
-        Command::new(kvmmd_bin()).arg("--config").arg(&config).arg("--runtime-dir").arg(dir.path()).output().unwrap();
+    let out = kvmmd_command().arg("--config").arg(&config).arg("--runtime-dir").arg(dir.path()).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("compaction_intervall_ms") && err.contains("kvmmd.toml"), "{err}");
 
     std::fs::write(&config, "device_budget = \"lots\"\n").unwrap();
-    let out =
-        Command::new(kvmmd_bin()).arg("--config").arg(&config).arg("--runtime-dir").arg(dir.path()).output().unwrap();
+    let out = kvmmd_command().arg("--config").arg(&config).arg("--runtime-dir").arg(dir.path()).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("lots"), "{err}");
 }
