@@ -153,6 +153,7 @@ impl Daemon {
         Daemon::start(&args)
     }
 
+    /// Waits until kvmmd serves on its sockets and says it is ready.
     fn wait_for_sockets(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         let names = ["kvmm.sock", "kvmm-fd.sock", "kvmm-admin.sock"];
@@ -167,6 +168,16 @@ impl Daemon {
         while std::panic::catch_unwind(|| self.status()).is_err() {
             assert!(Instant::now() < deadline, "kvmmd did not answer status in 20 s; log:\n{}", self.log());
             std::thread::sleep(Duration::from_millis(20));
+        }
+        // Ready as systemd sees it (READY=1 goes with this line): the watched loops have gone round
+        // once. Signals are only handled from about then on (see daemon_lifecycle's
+        // a_signal_right_after_the_sockets_appear_is_handled_not_fatal).
+        while !self.log().contains("kvmmd ready") {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("kvmmd exited ({status}) before it was ready; log:\n{}", self.log());
+            }
+            assert!(Instant::now() < deadline, "kvmmd was not ready in 20 s; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 

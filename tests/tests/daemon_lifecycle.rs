@@ -102,3 +102,43 @@ fn sigterm_with_a_live_session_wipes_it_and_exits_zero() {
     assert_eq!(fields(&e)["code"], "Unavailable", "{e}");
     assert!(w.wait(Duration::from_secs(10)).code() == Some(2));
 }
+
+/// A signal that arrives once the sockets exist is kvmmd's to handle: SIGHUP reloads, SIGTERM
+/// exits cleanly. Found under the unit's sandbox, where start-up is slower: `server::run` installs
+/// its handlers only after the watched loops have gone round once and `kvmmd ready` is logged, so a
+/// SIGHUP or SIGTERM in between kills kvmmd by the default action and leaves its sockets behind
+/// (policy_modes' SIGHUP scenario failed about one run in eight).
+#[test]
+#[ignore = "kvmmd installs its signal handlers after it starts serving: create Signals before take_listeners"]
+fn a_signal_right_after_the_sockets_appear_is_handled_not_fatal() {
+    for (signal, name) in [(rustix::process::Signal::HUP, "SIGHUP"), (rustix::process::Signal::TERM, "SIGTERM")] {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("kvmmd.log");
+        let mut child = kvmmd_command()
+            .arg("--runtime-dir")
+            .arg(dir.path())
+            .args(["--device-budget", "64MiB"])
+            .env("RUST_LOG", "info")
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let admin = dir.path().join("kvmm-admin.sock");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !admin.exists() {
+            assert!(Instant::now() < deadline, "no admin socket");
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        rustix::process::kill_process(rustix::process::Pid::from_raw(child.id() as i32).unwrap(), signal).unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        let log = std::fs::read_to_string(&log).unwrap();
+        if signal == rustix::process::Signal::HUP {
+            assert!(child.try_wait().unwrap().is_none(), "{name} killed kvmmd; log:\n{log}");
+            let _ = child.kill();
+            let _ = child.wait();
+        } else {
+            let status = wait_timeout(&mut child, Duration::from_secs(15)).expect("exit on SIGTERM");
+            assert!(status.success(), "{name}: {status:?}; log:\n{log}");
+            assert!(!admin.exists(), "{name}: the sockets were removed; log:\n{log}");
+        }
+    }
+}
