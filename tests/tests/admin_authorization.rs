@@ -162,6 +162,13 @@ fn a_member_of_the_admin_group_is_served_by_a_sandboxed_kvmmd_on_the_socket_unit
     assert!(status.contains("Name:\tkvmmd") && status.contains("Seccomp:\t2"), "{status}");
     let log = || std::fs::read_to_string(&log).unwrap_or_default();
     assert!(log().contains("using the socket systemd passed"), "{}", log());
+    // Signals are kvmmd's to handle once it is ready (daemon_lifecycle's
+    // a_signal_right_after_the_sockets_appear_is_handled_not_fatal).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !log().contains("kvmmd ready") {
+        assert!(Instant::now() < deadline, "kvmmd was not ready in 20 s; log:\n{}", log());
+        std::thread::sleep(Duration::from_millis(5));
+    }
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(kvmmd.id() as i32).unwrap(),
         rustix::process::Signal::TERM,

@@ -4,7 +4,6 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use kvmm_tests::{
@@ -16,6 +15,16 @@ fn wait_for(path: &std::path::Path) {
     while !path.exists() {
         assert!(Instant::now() < deadline, "{} did not appear", path.display());
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits for kvmmd's `kvmmd ready` line in `log`: signals sent before it are
+/// a_signal_right_after_the_sockets_appear_is_handled_not_fatal's concern.
+fn wait_ready(log: &std::path::Path) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !std::fs::read_to_string(log).unwrap().contains("kvmmd ready") {
+        assert!(Instant::now() < deadline, "kvmmd was not ready in 20 s");
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
@@ -33,8 +42,10 @@ fn a_second_daemon_on_the_same_directory_refuses_to_start() {
 #[test]
 fn embedded_defaults_serve_from_runtime_directory_and_sigint_exits_cleanly() {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = kvmmd_command().env("RUNTIME_DIRECTORY", dir.path()).stderr(Stdio::null()).spawn().unwrap();
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut child = kvmmd_command().env("RUNTIME_DIRECTORY", dir.path()).stderr(log.reopen().unwrap()).spawn().unwrap();
     wait_for(&dir.path().join("kvmm-admin.sock"));
+    wait_ready(log.path());
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(child.id() as i32).unwrap(),
         rustix::process::Signal::INT,
@@ -54,13 +65,15 @@ fn an_ordinary_user_gets_a_directory_under_xdg_runtime_dir() {
     }
     let dir = tempfile::tempdir().unwrap();
     std::os::unix::fs::chown(dir.path(), Some(65534), Some(65534)).unwrap();
+    let log = tempfile::NamedTempFile::new().unwrap();
     let mut child = kvmmd_command_as_nobody()
         .env_remove("RUNTIME_DIRECTORY")
         .env("XDG_RUNTIME_DIR", dir.path())
-        .stderr(Stdio::null())
+        .stderr(log.reopen().unwrap())
         .spawn()
         .unwrap();
     wait_for(&dir.path().join("kvmm").join("kvmm.sock"));
+    wait_ready(log.path());
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(child.id() as i32).unwrap(),
         rustix::process::Signal::TERM,
