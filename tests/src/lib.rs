@@ -40,6 +40,67 @@ pub fn kvmmd_bin() -> PathBuf {
     workspace_bin("kvmmd")
 }
 
+/// The launcher that runs a program under kvmmd.service's sandbox without systemd
+/// (`tests/sandbox/kvmmd-sandbox`: namespaces, read-only mounts, no capabilities, seccomp). It
+/// execs all the way down, so the program keeps the pid of the spawned child.
+pub fn sandbox_launcher() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("sandbox").join("kvmmd-sandbox")
+}
+
+/// The exit code of [`sandbox_launcher`] when the sandbox cannot be set up here (not root, a tool
+/// missing); it prints the reason on stderr.
+pub const SANDBOX_UNAVAILABLE: i32 = 77;
+
+/// Whether `KVMM_SANDBOX` (set and not empty) asks for every kvmmd the harness starts to run under
+/// the unit's sandbox.
+pub fn sandboxed() -> bool {
+    std::env::var_os("KVMM_SANDBOX").is_some_and(|v| !v.is_empty())
+}
+
+/// A command that runs kvmmd: through [`sandbox_launcher`] when [`sandboxed`], else directly.
+/// Arguments added to it go to kvmmd.
+pub fn kvmmd_command() -> Command {
+    if sandboxed() { sandboxed_command(&kvmmd_bin()) } else { Command::new(kvmmd_bin()) }
+}
+
+/// A command that runs `program` under the unit's sandbox, whatever `KVMM_SANDBOX` says.
+pub fn sandboxed_command(program: &Path) -> Command {
+    let mut cmd = Command::new(sandbox_launcher());
+    cmd.arg(program);
+    cmd
+}
+
+/// Whether [`sandbox_launcher`] can set up the sandbox here (it needs root, util-linux, python3,
+/// libseccomp and systemd-analyze); if not, prints why the scenario is skipped. A launcher that
+/// fails for any other reason fails the test.
+pub fn can_sandbox() -> bool {
+    if !rustix::process::geteuid().is_root() {
+        println!("skipped: the unit's sandbox needs root to create namespaces and mounts");
+        return false;
+    }
+    let out = sandboxed_command(Path::new("/bin/true")).output().expect("run the sandbox launcher");
+    match out.status.code() {
+        Some(0) => true,
+        Some(SANDBOX_UNAVAILABLE) => {
+            println!("skipped: {}", String::from_utf8_lossy(&out.stderr).trim());
+            false
+        }
+        _ => panic!("the sandbox launcher failed: {out:?}"),
+    }
+}
+
+/// A command that runs kvmmd as uid and gid [`NOBODY`] with no supplementary groups (check
+/// [`can_run_as_nobody`] first): the sandbox's own `setpriv` switches the uid when [`sandboxed`].
+pub fn kvmmd_command_as_nobody() -> Command {
+    if sandboxed() {
+        let mut cmd = sandboxed_command(&kvmmd_bin());
+        cmd.env("KVMM_SANDBOX_USER", NOBODY);
+        cmd
+    } else {
+        as_nobody(&kvmmd_bin(), None)
+    }
+}
+
 /// A running kvmmd in a private runtime directory. Dropping it kills the daemon.
 #[derive(Debug)]
 pub struct Daemon {
@@ -49,13 +110,25 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    /// Starts kvmmd with `--runtime-dir` in a fresh directory plus `args`, and waits for its sockets.
+    /// Starts kvmmd with `--runtime-dir` in a fresh directory plus `args`, and waits for its sockets;
+    /// under the unit's sandbox when [`sandboxed`].
     pub fn start(args: &[&str]) -> Daemon {
+        Daemon::start_with(kvmmd_command(), None, args)
+    }
+
+    /// Starts `kvmmd` (a command that runs kvmmd, e.g. [`sandboxed_command`]) with `--runtime-dir`
+    /// in a fresh directory, owned by `owner` (the uid kvmmd runs as, as systemd's
+    /// `RuntimeDirectory=` does for `User=`) or by this process, plus `args`, and waits for its
+    /// sockets.
+    pub fn start_with(mut kvmmd: Command, owner: Option<u32>, args: &[&str]) -> Daemon {
         let dir = tempfile::Builder::new().prefix("kvmm-test-").tempdir().unwrap();
         // Other uids (the isolation scenario) must reach the sockets inside.
         std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        if let Some(uid) = owner {
+            std::os::unix::fs::chown(dir.path(), Some(uid), Some(uid)).unwrap();
+        }
         let log = dir.path().join("kvmmd.log");
-        let child = Command::new(kvmmd_bin())
+        let child = kvmmd
             .arg("--runtime-dir")
             .arg(dir.path())
             .args(args)
@@ -65,7 +138,7 @@ impl Daemon {
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .expect("spawn kvmmd");
-        let d = Daemon { child: Some(child), dir, log };
+        let mut d = Daemon { child: Some(child), dir, log };
         d.wait_for_sockets();
         d
     }
@@ -80,10 +153,14 @@ impl Daemon {
         Daemon::start(&args)
     }
 
-    fn wait_for_sockets(&self) {
+    /// Waits until kvmmd serves on its sockets and says it is ready.
+    fn wait_for_sockets(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         let names = ["kvmm.sock", "kvmm-fd.sock", "kvmm-admin.sock"];
         while !names.iter().all(|n| self.dir.path().join(n).exists()) {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("kvmmd exited ({status}) before binding its sockets; log:\n{}", self.log());
+            }
             assert!(Instant::now() < deadline, "kvmmd did not bind its sockets in 20 s; log:\n{}", self.log());
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -91,6 +168,16 @@ impl Daemon {
         while std::panic::catch_unwind(|| self.status()).is_err() {
             assert!(Instant::now() < deadline, "kvmmd did not answer status in 20 s; log:\n{}", self.log());
             std::thread::sleep(Duration::from_millis(20));
+        }
+        // Ready as systemd sees it (READY=1 goes with this line): the watched loops have gone round
+        // once. Signals are only handled from about then on (see daemon_lifecycle's
+        // a_signal_right_after_the_sockets_appear_is_handled_not_fatal).
+        while !self.log().contains("kvmmd ready") {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("kvmmd exited ({status}) before it was ready; log:\n{}", self.log());
+            }
+            assert!(Instant::now() < deadline, "kvmmd was not ready in 20 s; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 

@@ -7,13 +7,21 @@
 //! - a member of the configured admin group is served.
 //!
 //! Needs root (to run the caller as uid 65534 with `setpriv`); otherwise skipped with the reason.
+//!
+//! Under the unit's sandbox (`KVMM_SANDBOX`) kvmmd cannot chown, so a kvmmd that binds its own
+//! admin socket refuses to start with an admin group, saying why; the member is then served by a
+//! sandboxed kvmmd on an admin socket passed in as `kvmmd-admin.socket` would pass it.
 
 #![allow(clippy::unwrap_used)]
 
 use std::os::unix::fs::PermissionsExt;
-use std::time::Duration;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
-use kvmm_tests::{Daemon, Worker, can_run_as_nobody, client_args, client_bin, fields, spawn_client};
+use kvmm_tests::{
+    Daemon, Worker, can_run_as_nobody, client_args, client_bin, fields, kvmmd_bin, kvmmd_command, sandbox_launcher,
+    sandboxed, spawn_client, wait_timeout,
+};
 
 fn as_nobody(args: &[String], groups: Option<&str>) -> Worker {
     Worker::spawn_cmd(kvmm_tests::as_nobody(&client_bin(), groups).args(args))
@@ -75,11 +83,20 @@ fn a_member_of_the_admin_group_is_served() {
     if !can_run_as_nobody() {
         return;
     }
+    if sandboxed() {
+        a_member_of_the_admin_group_is_served_by_a_sandboxed_kvmmd_on_the_socket_units_socket();
+        return;
+    }
     let daemon = Daemon::start(&["--device-budget", "64MiB", "--admin-group", "nogroup"]);
     let socket = daemon.dir().join("kvmm-admin.sock");
     let args = client_args("admin-all", &daemon, &["--admin-socket", socket.to_str().unwrap(), "--session", "7"]);
     // uid 65534 with gid 65534 (nogroup): the socket's group lets it connect, the service serves it.
-    let mut out = as_nobody(&args, Some("65534"));
+    assert_member_served(&mut as_nobody(&args, Some("65534")));
+    assert!(daemon.stop().success());
+}
+
+/// The nogroup member's `admin-all` run: served, and told there is no session 7.
+fn assert_member_served(out: &mut Worker) {
     let line = out.expect_line("admin");
     println!("nogroup member: {line}");
     let codes = fields(&format!("x {line}"));
@@ -87,5 +104,76 @@ fn a_member_of_the_admin_group_is_served() {
     assert_eq!(codes["ListSessions"], "Ok", "{line}");
     assert_eq!(codes["Session"], "NotFound", "no session 7: {line}");
     out.wait(Duration::from_secs(10));
-    assert!(daemon.stop().success());
+}
+
+/// Under the unit's sandbox kvmmd cannot chown at all (`SystemCallFilter=~@privileged` holds
+/// `@chown`, and it has no `CAP_CHOWN`), so a kvmmd that binds its own admin socket cannot hand it
+/// to the admin group: it refuses to start and says so. Under systemd the admin socket comes from
+/// `kvmmd-admin.socket` (`SocketGroup=`): here `systemd-socket-activate` binds it, the test gives
+/// it the group and mode the socket unit would, and the sandboxed kvmmd it starts on the first
+/// connection takes it and serves the group's member.
+fn a_member_of_the_admin_group_is_served_by_a_sandboxed_kvmmd_on_the_socket_units_socket() {
+    let args = ["--device-budget", "64MiB", "--admin-group", "nogroup"];
+    let dir = tempfile::tempdir().unwrap();
+    let out = kvmmd_command().arg("--runtime-dir").arg(dir.path()).args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    println!("sandboxed kvmmd binding its own admin socket: {}", err.trim());
+    assert!(!out.status.success() && err.contains("admin socket to the admin group"), "{out:?}");
+
+    if Command::new("systemd-socket-activate").arg("--version").output().is_err() {
+        println!("skipped the rest: systemd-socket-activate is not installed");
+        return;
+    }
+    let dir = tempfile::Builder::new().prefix("kvmm-test-").tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let admin = dir.path().join("kvmm-admin.sock");
+    let log = dir.path().join("kvmmd.log");
+    let mut kvmmd = Command::new("systemd-socket-activate")
+        .arg("-l")
+        .arg(&admin)
+        .arg("--fdname=admin")
+        .arg("--setenv=RUST_LOG=info")
+        .arg(sandbox_launcher())
+        .arg(kvmmd_bin())
+        .arg("--runtime-dir")
+        .arg(dir.path())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !admin.exists() {
+        assert!(Instant::now() < deadline, "systemd-socket-activate did not bind {}", admin.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SocketGroup=nogroup, SocketMode=0660.
+    std::os::unix::fs::chown(&admin, None, Some(65534)).unwrap();
+    std::fs::set_permissions(&admin, std::fs::Permissions::from_mode(0o660)).unwrap();
+
+    let session = dir.path().join("kvmm.sock");
+    let client = ["admin-all", "--socket", session.to_str().unwrap(), "--admin-socket", admin.to_str().unwrap()];
+    let client: Vec<String> = client.iter().chain(&["--session", "7"]).map(|s| (*s).to_owned()).collect();
+    assert_member_served(&mut as_nobody(&client, Some("65534")));
+
+    // systemd-socket-activate exec'd the launcher, which exec'd kvmmd: one pid, confined.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", kvmmd.id())).unwrap();
+    assert!(status.contains("Name:\tkvmmd") && status.contains("Seccomp:\t2"), "{status}");
+    let log = || std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(log().contains("using the socket systemd passed"), "{}", log());
+    // Signals are kvmmd's to handle once it is ready (daemon_lifecycle's
+    // a_signal_right_after_the_sockets_appear_is_handled_not_fatal).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !log().contains("kvmmd ready") {
+        assert!(Instant::now() < deadline, "kvmmd was not ready in 20 s; log:\n{}", log());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(kvmmd.id() as i32).unwrap(),
+        rustix::process::Signal::TERM,
+    )
+    .unwrap();
+    let exit = wait_timeout(&mut kvmmd, Duration::from_secs(15));
+    assert!(exit.is_some_and(|s| s.success()), "{exit:?}; log:\n{}", log());
 }
