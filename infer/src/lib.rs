@@ -24,6 +24,9 @@
 //!   `.kvfx` fixture by [`fixture`].
 //! - [`quality`]: what kvmm's compressed page formats and page selection do to the attention
 //!   output on a fixture's real K/V, against an `f64` reference over the original `f32` rows.
+//! - [`eval`]: what they do to the model's own next-token distribution, teacher-forced over a
+//!   text: perplexity, KL divergence and top-1 agreement against f16 pages, with the pages in a
+//!   [`PagedKvCache`] left the way the daemon's demotion leaves them ([`evaluate`]).
 //!
 //! # Tools
 //!
@@ -74,6 +77,7 @@
 pub mod config;
 mod cursor;
 pub mod error;
+pub mod eval;
 pub mod fixture;
 pub mod forward;
 pub mod generate;
@@ -89,6 +93,7 @@ pub mod trace;
 
 pub use config::ModelConfig;
 pub use error::{InferError, InferErrorKind};
+pub use eval::{EvalOptions, EvalReport, PagedKvCache, Storage, evaluate};
 pub use forward::Forward;
 pub use generate::{Generation, Stop, argmax, generate_greedy};
 pub use kv_cache::{KvCache, LocalKvCache};
