@@ -8,7 +8,7 @@
 //! ```
 //!
 //! Progress goes to stderr every 64 steps; the Markdown table to stdout, then with `--json` one
-//! JSON object per storage.
+//! JSON object per storage and with `--census` every layer's page formats.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -17,6 +17,7 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use kvmm_infer::eval::{EvalOptions, evaluate_with_progress, parse_storages};
 use kvmm_infer::model;
+use kvmm_kernels::Format;
 
 /// Perplexity, KL divergence and top-1 agreement of kvmm's KV page formats against f16 pages.
 #[derive(Parser, Debug)]
@@ -34,7 +35,7 @@ struct Args {
     /// Storages to compare with the f16 reference: f16, bf16, q8, k8v4, q4, q2, auto (adaptive
     /// precision at q4's bytes, as the daemon does it), auto-down (earlier pages also step down to
     /// each new allocation), auto-q8, ...
-    #[arg(long, default_value = "q8,k8v4,q4,auto,auto-down,q2")]
+    #[arg(long, default_value = "q8,k8v4,q4,auto,q2")]
     formats: String,
     /// Use at most this many tokens of the text (default: all of it, up to the model's context).
     #[arg(long)]
@@ -48,6 +49,10 @@ struct Args {
     /// Also print one JSON object per storage.
     #[arg(long)]
     json: bool,
+    /// Also print every layer's pages, one character per page (`F` f16, `B` bf16, `8` q8, `k`
+    /// k8v4, `4` q4, `2` q2), per storage.
+    #[arg(long)]
+    census: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -73,6 +78,26 @@ fn main() -> anyhow::Result<()> {
     print!("{report}");
     if args.json {
         print!("{}", report.json_lines());
+    }
+    if args.census {
+        for pass in std::iter::once(&report.reference).chain(&report.passes) {
+            println!("{}:", pass.storage);
+            for (layer, formats) in pass.page_formats.iter().enumerate() {
+                let pages: String = formats
+                    .iter()
+                    .map(|f| match f {
+                        Format::F16 => 'F',
+                        Format::Bf16 => 'B',
+                        Format::Q8 => '8',
+                        Format::K8V4 => 'k',
+                        Format::Q4 => '4',
+                        Format::Q2 => '2',
+                        _ => '?',
+                    })
+                    .collect();
+                println!("  {layer:>3} {pages}");
+            }
+        }
     }
     Ok(())
 }

@@ -4,8 +4,10 @@
 //! message) when the model has not been fetched.
 //!
 //! The whole text is 6,318 tokens and takes far longer than CI allows (see the ignored test for
-//! the command and its time); the CI-sized test runs the first 320 tokens, where 4 of each
-//! layer's 10 pages have left the window and the thresholds hold with wide margins.
+//! the command and its time); the CI-sized test runs the first 256 tokens (about 2 minutes of CPU
+//! in the dev profile), where 2 of each layer's 8 pages have left the window: a smoke test of the
+//! pipeline on a real model, whose thresholds hold with wide margins (q8's mean KL ~2e-6, q4's
+//! ~3e-4 at this length, against 0.0015 and 0.004).
 
 #![allow(clippy::unwrap_used)]
 
@@ -45,9 +47,9 @@ fn assert_acceptance(report: &EvalReport) {
 }
 
 #[test]
-fn smollm2_meets_the_q8_and_q4_thresholds_over_the_first_320_tokens() {
-    let Some(report) = evaluate("q8,q4", Some(320)) else { return };
-    assert_eq!(report.steps(), 319);
+fn smollm2_meets_the_q8_and_q4_thresholds_over_the_first_256_tokens() {
+    let Some(report) = evaluate("q8,q4", Some(256)) else { return };
+    assert_eq!(report.steps(), 255);
     assert!(!report.bos, "SmolLM2 documents start without BOS");
     assert_acceptance(&report);
 }

@@ -53,7 +53,7 @@ pub fn top2(logits: &[f32]) -> (u32, f32) {
 }
 
 /// A pass's scores so far.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Tally {
     /// Steps scored.
     pub steps: usize,
@@ -67,9 +67,16 @@ pub struct Tally {
     pub counted: usize,
     /// Of those, steps whose top-1 token equals the reference's.
     pub agree: usize,
+    /// The KL of every step, in order (for its quantiles).
+    pub kls: Vec<f64>,
 }
 
 impl Tally {
+    /// An empty tally with room for `steps` steps.
+    pub fn with_capacity(steps: usize) -> Tally {
+        Tally { kls: Vec::with_capacity(steps), ..Tally::default() }
+    }
+
     /// Adds one step: the pass's NLL of the true token, its KL from the reference, and, when the
     /// step counts for agreement, whether the top-1 tokens agree.
     pub fn add(&mut self, nll: f64, kl: f64, agreement: Option<bool>) {
@@ -77,6 +84,7 @@ impl Tally {
         self.nll += nll;
         self.kl += kl;
         self.max_kl = self.max_kl.max(kl);
+        self.kls.push(kl);
         if let Some(agree) = agreement {
             self.counted += 1;
             self.agree += usize::from(agree);
@@ -91,6 +99,18 @@ impl Tally {
     /// Mean KL per step; 0 before any step.
     pub fn mean_kl(&self) -> f64 {
         if self.steps == 0 { 0.0 } else { self.kl / self.steps as f64 }
+    }
+
+    /// The `q`-quantile of the steps' KL by nearest rank (the `⌈q·n⌉`-th smallest); 0 before any
+    /// step.
+    pub fn kl_quantile(&self, q: f64) -> f64 {
+        let mut sorted = self.kls.clone();
+        sorted.sort_by(f64::total_cmp);
+        let n = sorted.len();
+        if n == 0 {
+            return 0.0;
+        }
+        sorted[((q * n as f64).ceil() as usize).clamp(1, n) - 1]
     }
 }
 
@@ -146,5 +166,6 @@ mod tests {
         assert!((t.perplexity() - 4.0).abs() < 1e-12);
         assert!((t.mean_kl() - 0.2).abs() < 1e-12);
         assert_eq!((t.max_kl, t.counted, t.agree, t.steps), (0.3, 2, 1, 3));
+        assert_eq!((t.kl_quantile(0.5), t.kl_quantile(0.99), t.kl_quantile(0.0)), (0.2, 0.3, 0.1));
     }
 }

@@ -11,9 +11,12 @@
 //! **Demotion.** The daemon re-encodes a page when it demotes it, and never the sink page (block
 //! 0) nor a page with a token in the layer's last [`RECENT_WINDOW_TOKENS`] (`keeps_precision` in
 //! `daemon/src/migrate/tiering.rs`). This cache demotes as eagerly as that allows, as a daemon
-//! under a tight device budget would: full page `b ≥ 1` is demoted the moment the layer holds
-//! `(b + 1) × block_tokens + window` tokens, re-encoded with `requantize` (the daemon's call) in
-//! the format [`demotion_formats`] gives it. Lossy is one-way: a quantized page never goes back up.
+//! under the tightest device budget would: full page `b ≥ 1` is demoted the moment the layer
+//! holds `(b + 1) × block_tokens + window` tokens, re-encoded with `requantize` (the daemon's
+//! call) in the format [`demotion_formats`] gives it. Lossy is one-way: a quantized page never
+//! goes back up. (The daemon demotes only under pressure, victims by least importance across the
+//! session, `pick_victims`; here the page demoted is always the newest candidate, not the least
+//! attended one, which is the hardest case for adaptive precision's budget below.)
 //!
 //! ```text
 //!   block  0      1      2     ...    b      b+1   ...          last (partial)

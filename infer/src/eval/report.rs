@@ -22,6 +22,10 @@ pub struct PassReport {
     pub perplexity: f64,
     /// Mean over the steps of KL(reference ‖ this pass), over the whole vocabulary.
     pub mean_kl: f64,
+    /// The median KL of a step (nearest rank).
+    pub median_kl: f64,
+    /// The 99th percentile of the KL of a step (nearest rank).
+    pub p99_kl: f64,
     /// The largest KL of a step.
     pub max_kl: f64,
     /// Steps counted for top-1 agreement: those where the reference's top-2 logit margin is at
@@ -106,7 +110,8 @@ impl EvalReport {
     }
 
     /// One JSON object per line, the reference first (`"reference": true`), with the fields
-    /// `format, tokens, steps, ppl, dppl_pct, kl_mean, kl_max, top1, top1_agree, top1_steps,
+    /// `format, reference, tokens, steps, ppl, dppl_pct, kl_mean, kl_p50, kl_p99, kl_max, top1,
+    /// top1_agree, top1_steps,
     /// margin, bits, old_bits, pages` (`top1` and `old_bits` are `null` when undefined; `pages`
     /// maps format names to page counts).
     pub fn json_lines(&self) -> String {
@@ -120,7 +125,7 @@ impl EvalReport {
                 let pages = p.census().iter().map(|(f, n)| format!("\"{f}\":{n}")).collect::<Vec<_>>().join(",");
                 format!(
                     "{{\"format\":\"{}\",\"reference\":{reference},\"tokens\":{},\"steps\":{},\"ppl\":{},\
-                     \"dppl_pct\":{},\"kl_mean\":{},\"kl_max\":{},\"top1\":{},\"top1_agree\":{},\
+                     \"dppl_pct\":{},\"kl_mean\":{},\"kl_p50\":{},\"kl_p99\":{},\"kl_max\":{},\"top1\":{},\"top1_agree\":{},\
                      \"top1_steps\":{},\"margin\":{},\"bits\":{},\"old_bits\":{},\"pages\":{{{pages}}}}}\n",
                     p.storage,
                     self.tokens,
@@ -128,6 +133,8 @@ impl EvalReport {
                     number(Some(p.perplexity)),
                     number(Some(self.delta_perplexity_percent(p))),
                     number(Some(p.mean_kl)),
+                    number(Some(p.median_kl)),
+                    number(Some(p.p99_kl)),
                     number(Some(p.max_kl)),
                     number(p.top1_agreement()),
                     p.top1_agree,
@@ -169,9 +176,9 @@ impl fmt::Display for EvalReport {
         writeln!(f)?;
         writeln!(
             f,
-            "| format | ppl | Δppl | mean KL | max KL | top-1 agree (steps) | bits/elem | old pages bits/elem | pages |"
+            "| format | ppl | Δppl | mean KL | median KL | p99 KL | max KL | top-1 agree (steps) | bits/elem | old pages bits/elem | pages |"
         )?;
-        writeln!(f, "|---|---:|---:|---:|---:|---:|---:|---:|---|")?;
+        writeln!(f, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")?;
         for (reference, p) in std::iter::once((true, &self.reference)).chain(self.passes.iter().map(|p| (false, p))) {
             let agree = match p.top1_agreement() {
                 Some(a) => format!("{:.2}% ({}/{})", a * 100.0, p.top1_agree, p.top1_counted),
@@ -179,12 +186,14 @@ impl fmt::Display for EvalReport {
             };
             writeln!(
                 f,
-                "| {}{} | {:.4} | {:+.2}% | {:.6} | {:.4} | {agree} | {:.2} | {} | {} |",
+                "| {}{} | {:.4} | {:+.2}% | {:.6} | {:.2e} | {:.2e} | {:.4} | {agree} | {:.2} | {} | {} |",
                 p.storage,
                 if reference { " (ref)" } else { "" },
                 p.perplexity,
                 self.delta_perplexity_percent(p),
                 p.mean_kl,
+                p.median_kl,
+                p.p99_kl,
                 p.max_kl,
                 p.bits_per_element,
                 p.old_bits_per_element.map_or_else(|| "—".to_owned(), |b| format!("{b:.2}")),
@@ -192,5 +201,65 @@ impl fmt::Display for EvalReport {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pass(storage: Storage, perplexity: f64, counted: usize) -> PassReport {
+        PassReport {
+            storage,
+            perplexity,
+            mean_kl: 0.25,
+            median_kl: 0.125,
+            p99_kl: 0.5,
+            max_kl: 1.0,
+            top1_counted: counted,
+            top1_agree: counted / 2,
+            bits_per_element: 5.5,
+            old_bits_per_element: (counted > 0).then_some(5.0),
+            page_formats: vec![vec![Format::F16, Format::Q4, Format::Q4], vec![Format::F16, Format::Q8, Format::Q4]],
+        }
+    }
+
+    fn report() -> EvalReport {
+        EvalReport {
+            text_tokens: 100,
+            tokens: 10,
+            bos: false,
+            block_tokens: 32,
+            window_tokens: 128,
+            margin: 0.5,
+            layers: 2,
+            head_dim: 8,
+            page_head_dim: 16,
+            reference: pass(Storage::Uniform(Format::F16), 4.0, 4),
+            passes: vec![pass(Storage::Uniform(Format::Q4), 5.0, 4), pass(Storage::AUTO, 4.0, 0)],
+            seconds: 1.5,
+        }
+    }
+
+    #[test]
+    fn json_lines_hold_one_object_per_pass_with_null_for_the_undefined() {
+        let json = report().json_lines();
+        let lines: Vec<&str> = json.lines().collect();
+        assert_eq!(lines.len(), 3);
+        assert!(lines.iter().all(|l| l.starts_with("{\"format\":\"") && l.ends_with("}}")), "{json}");
+        assert!(lines[0].contains("\"format\":\"f16\",\"reference\":true"), "{}", lines[0]);
+        assert!(lines[1].contains("\"dppl_pct\":25,") && lines[1].contains("\"top1\":0.5,"), "{}", lines[1]);
+        assert!(lines[1].contains("\"pages\":{\"f16\":2,\"q8\":1,\"q4\":3}"), "{}", lines[1]);
+        assert!(lines[2].contains("\"top1\":null") && lines[2].contains("\"old_bits\":null"), "{}", lines[2]);
+    }
+
+    #[test]
+    fn the_table_has_a_row_per_pass_and_says_what_was_padded() {
+        let table = report().to_string();
+        assert!(table.contains("head_dim 8 zero-padded to 16"), "{table}");
+        assert!(table.contains("| f16 (ref) | 4.0000 | +0.00% |"), "{table}");
+        assert!(table.contains("| q4 | 5.0000 | +25.00% |"), "{table}");
+        assert!(table.contains("| auto | 4.0000 | +0.00% |") && table.contains("— (0 steps)"), "{table}");
+        assert!(table.contains("f16 2, q8 1, q4 3"), "{table}");
     }
 }
