@@ -25,6 +25,9 @@
 //!   `.kvfx` fixture by [`fixture`].
 //! - [`quality`]: what kvmm's compressed page formats and page selection do to the attention
 //!   output on a fixture's real K/V, against an `f64` reference over the original `f32` rows.
+//! - [`eval`]: what they do to the model's own next-token distribution, teacher-forced over a
+//!   text: perplexity, KL divergence and top-1 agreement against f16 pages, with the pages in a
+//!   [`PagedKvCache`] left the way the daemon's demotion leaves them ([`evaluate`]).
 //!
 //! # Tools
 //!
@@ -78,6 +81,7 @@
 pub mod config;
 mod cursor;
 pub mod error;
+pub mod eval;
 pub mod fixture;
 pub mod forward;
 pub mod generate;
@@ -95,6 +99,7 @@ pub mod trace;
 
 pub use config::ModelConfig;
 pub use error::{InferError, InferErrorKind};
+pub use eval::{EvalOptions, EvalReport, PagedKvCache, Storage, evaluate};
 pub use forward::Forward;
 pub use generate::{Generation, Stop, argmax, generate_greedy};
 pub use kv_cache::{KvCache, LocalKvCache};
