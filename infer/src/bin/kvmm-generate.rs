@@ -16,38 +16,93 @@
 //! from decoding, in tokens per second on one thread, names the KV backend and, for kvmm, ends with
 //! the session's pages per tier, faults and the formats the last attention read.
 //!
-//! The flags are grouped (`GenerateArgs`, `KvArgs`) so that a subcommand (`eval`) can be added as
-//! `#[command(subcommand)] command: Option<Command>` beside them, reusing `KvArgs`.
+//! `kvmm-generate eval --model PATH --text FILE` is the quality evaluation instead
+//! (`kvmm_infer::eval`): teacher-forced over the text, per KV storage (`--formats`, default
+//! `q8,k8v4,q4,auto,q2`), perplexity, KL divergence against f16 pages and top-1 agreement, as a
+//! Markdown table on stdout (`--json` adds one JSON object per storage, `--census` every layer's
+//! page formats), progress on stderr. For the shipped text:
+//!
+//! ```text
+//! kvmm-generate eval --model ~/.cache/kvmm/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+//!     --text infer/texts/us-constitution.txt
+//! ```
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use clap::{Args, Parser, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvmm_client::proto::PolicyStatus;
+use kvmm_infer::eval::{EvalOptions, evaluate_with_progress, parse_storages};
 use kvmm_infer::kv_format::{self, Admin};
 use kvmm_infer::{
     Forward, InferError, KvCache, KvFormat, KvmmCacheOptions, KvmmKvCache, LocalKvCache, Model, ModelConfig,
     Recompression, Tokenizer, argmax, model,
 };
 
-/// Generate text greedily and report tokens per second.
+/// Generate text greedily and report tokens per second (or, with `eval`, measure what the KV
+/// page formats do to a model's predictions).
 #[derive(Parser, Debug)]
-#[command(version)]
+#[command(version, args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
     #[command(flatten)]
     generate: GenerateArgs,
     #[command(flatten)]
     kv: KvArgs,
 }
 
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Perplexity, KL divergence against f16 pages and top-1 agreement of kvmm's KV storages,
+    /// teacher-forced over a text.
+    Eval(EvalArgs),
+}
+
+/// What `kvmm-generate eval` measures.
+#[derive(Args, Debug)]
+struct EvalArgs {
+    /// The model: a llama2.c checkpoint (`.bin`, with --tokenizer) or a GGUF file.
+    #[arg(long)]
+    model: PathBuf,
+    /// The tokenizer of a llama2.c checkpoint.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// The UTF-8 text to feed, encoded as a document (the repository ships
+    /// infer/texts/us-constitution.txt).
+    #[arg(long)]
+    text: PathBuf,
+    /// Storages to compare with the f16 reference: f16, bf16, q8, k8v4, q4, q2, auto (the daemon's
+    /// adaptive precision at q4's bytes), auto-FORMAT (around another compressed format),
+    /// auto-down (earlier pages also step down to each new allocation).
+    #[arg(long, default_value = "q8,k8v4,q4,auto,q2")]
+    formats: String,
+    /// Use at most this many tokens of the text (default: all of it, up to the model's context).
+    #[arg(long)]
+    tokens: Option<usize>,
+    /// The reference's top-2 logit margin from which a step counts for top-1 agreement.
+    #[arg(long, default_value_t = 0.5)]
+    margin: f32,
+    /// Threads (0: all available).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Also print one JSON object per storage.
+    #[arg(long)]
+    json: bool,
+    /// Also print every layer's page formats per storage, one character per page (`F` f16, `B`
+    /// bf16, `8` q8, `k` k8v4, `4` q4, `2` q2).
+    #[arg(long)]
+    census: bool,
+}
+
 /// What to run and how long.
 #[derive(Args, Debug)]
 struct GenerateArgs {
     /// The model: a llama2.c checkpoint (`.bin`, with --tokenizer) or a GGUF file.
-    #[arg(long)]
-    model: PathBuf,
+    #[arg(long, required = true)]
+    model: Option<PathBuf>,
     /// The tokenizer of a llama2.c checkpoint.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
@@ -230,9 +285,10 @@ fn prompt_tokens(args: &GenerateArgs, tokenizer: &Tokenizer) -> anyhow::Result<V
         if message.is_empty() {
             std::io::stdin().read_to_string(&mut message).context("could not read the message from stdin")?;
         }
-        return tokenizer
-            .chat_prompt(message.trim_end())
-            .with_context(|| format!("{} has no chat template; drop --chat", args.model.display()));
+        return tokenizer.chat_prompt(message.trim_end()).with_context(|| {
+            let model = args.model.as_deref().map(|m| m.display().to_string()).unwrap_or_default();
+            format!("{model} has no chat template; drop --chat")
+        });
     }
     Ok(match (args.raw, tokenizer.chat_prompt(&args.prompt)) {
         (false, Some(chat)) => chat,
@@ -243,10 +299,14 @@ fn prompt_tokens(args: &GenerateArgs, tokenizer: &Tokenizer) -> anyhow::Result<V
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Some(Command::Eval(args)) = &cli.command {
+        return eval(args);
+    }
     let args = &cli.generate;
+    let Some(model_path) = &args.model else { bail!("--model is required") };
     let loading = Instant::now();
-    let (model, tokenizer) = model::load(&args.model, args.tokenizer.as_deref())?;
-    let Some(tokenizer) = tokenizer else { bail!("{} needs --tokenizer", args.model.display()) };
+    let (model, tokenizer) = model::load(model_path, args.tokenizer.as_deref())?;
+    let Some(tokenizer) = tokenizer else { bail!("{} needs --tokenizer", model_path.display()) };
     let load_seconds = loading.elapsed().as_secs_f64();
 
     if args.max_tokens == 0 {
@@ -259,9 +319,41 @@ fn main() -> anyhow::Result<()> {
     }
     // Positions run: the prompt, then every generated token but the last one.
     let positions = (prompt.len() + args.max_tokens.saturating_sub(1)).min(config.seq_len);
-    let model_id = args.model.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    let model_id = model_path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
     let mut cache = Cache::open(&cli.kv, &config, positions.max(1), model_id)?;
     generate(&model, &tokenizer, &prompt, args.max_tokens, positions, &mut cache, load_seconds)?;
+    Ok(())
+}
+
+/// `kvmm-generate eval`: the quality table on stdout, progress on stderr.
+fn eval(args: &EvalArgs) -> anyhow::Result<()> {
+    let (model, tokenizer) = model::load(&args.model, args.tokenizer.as_deref())?;
+    let Some(tokenizer) = tokenizer else { bail!("{} needs --tokenizer", args.model.display()) };
+    let text = std::fs::read_to_string(&args.text)
+        .with_context(|| format!("could not read {} as UTF-8 text", args.text.display()))?;
+    let options = EvalOptions {
+        storages: parse_storages(&args.formats)?,
+        max_tokens: args.tokens,
+        margin: args.margin,
+        threads: args.threads,
+        ..EvalOptions::default()
+    };
+    let report = evaluate_with_progress(&model, &tokenizer, &text, &options, &mut |done, all| {
+        if done % 64 == 0 || done == all {
+            eprint!("\r{done}/{all} steps");
+            let _ = std::io::stderr().flush();
+        }
+    })?;
+    eprintln!();
+    print!("{report}");
+    if args.json {
+        print!("{}", report.json_lines());
+    }
+    if args.census {
+        for pass in std::iter::once(&report.reference).chain(&report.passes) {
+            print!("{}:\n{}", pass.storage, pass.page_map());
+        }
+    }
     Ok(())
 }
 

@@ -62,6 +62,30 @@ impl PassReport {
     pub fn census_text(&self) -> String {
         self.census().iter().map(|(f, n)| format!("{f} {n}")).collect::<Vec<_>>().join(", ")
     }
+
+    /// Every layer's pages, one line per layer and one character per page in page order: `F`
+    /// f16, `B` bf16, `8` q8, `k` k8v4, `4` q4, `2` q2.
+    pub fn page_map(&self) -> String {
+        let mut map = String::new();
+        for (layer, formats) in self.page_formats.iter().enumerate() {
+            let pages: String = formats.iter().map(|&f| page_char(f)).collect();
+            map += &format!("{layer:>3} {pages}\n");
+        }
+        map
+    }
+}
+
+/// A page's format as one character of [`PassReport::page_map`].
+fn page_char(format: Format) -> char {
+    match format {
+        Format::F16 => 'F',
+        Format::Bf16 => 'B',
+        Format::Q8 => '8',
+        Format::K8V4 => 'k',
+        Format::Q4 => '4',
+        Format::Q2 => '2',
+        _ => '?',
+    }
 }
 
 /// The result of an evaluation: the reference and every storage asked for.
@@ -261,5 +285,10 @@ mod tests {
         assert!(table.contains("| q4 | 5.0000 | +25.00% |"), "{table}");
         assert!(table.contains("| auto | 4.0000 | +0.00% |") && table.contains("— (0 steps)"), "{table}");
         assert!(table.contains("f16 2, q8 1, q4 3"), "{table}");
+    }
+
+    #[test]
+    fn the_page_map_has_a_line_per_layer_and_a_character_per_page() {
+        assert_eq!(report().passes[0].page_map(), "  0 F44\n  1 F84\n");
     }
 }
