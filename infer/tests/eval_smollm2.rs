@@ -60,7 +60,7 @@ fn smollm2_meets_the_q8_and_q4_thresholds_over_the_first_256_tokens() {
 /// cargo test --release -p kvmm-infer --test eval_smollm2 -- --ignored --nocapture
 /// ```
 #[test]
-#[ignore = "the whole text takes an hour or more; see the doc comment for the command"]
+#[ignore = "the whole text takes about 25 minutes in release on 2 cores; see the doc comment for the command"]
 fn smollm2_quality_table_over_the_whole_shipped_text() {
     let Some(report) = evaluate("q8,k8v4,q4,auto,auto-down,q2", None) else { return };
     assert_eq!(report.tokens, report.text_tokens, "the whole text fits SmolLM2's context");
