@@ -426,12 +426,7 @@ impl Daemon {
 
     /// Pages and bytes per tier and format over every session.
     pub fn usage(&self) -> Usage {
-        let core = self.core.lock();
-        let mut all = Usage::default();
-        for s in core.sessions.iter() {
-            all.add(&Usage::of(s));
-        }
-        all
+        usage_of(&self.core.lock())
     }
 
     fn admit(&self) -> Result<()> {
@@ -957,7 +952,17 @@ impl Daemon {
 
     /// Daemon-wide status.
     pub fn status(&self) -> Status {
+        self.status_of(&self.core.lock())
+    }
+
+    /// [`Daemon::status`] and [`Daemon::usage`] taken in one snapshot, so that each tier's pages
+    /// by format add up to its page count while pages are moving (admin `Status`).
+    pub fn status_with_usage(&self) -> (Status, Usage) {
         let core = self.core.lock();
+        (self.status_of(&core), usage_of(&core))
+    }
+
+    fn status_of(&self, core: &Core) -> Status {
         Status {
             budget: core.pool.budget(),
             used: core.pool.used(),
@@ -976,6 +981,15 @@ impl Daemon {
             pages_flash: core.sessions.iter().map(|s| s.pages.count_in(TierKind::Flash)).sum(),
         }
     }
+}
+
+/// Pages and bytes per tier and format over every session of `core`.
+fn usage_of(core: &Core) -> Usage {
+    let mut all = Usage::default();
+    for s in core.sessions.iter() {
+        all.add(&Usage::of(s));
+    }
+    all
 }
 
 /// The quota a client asked for, checked: eviction needs a quota, and a quota must hold the pages

@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use kvmm_proto::v1::Tier;
-use kvmm_tests::{Daemon, fields, spawn_client};
+use kvmm_tests::{Daemon, admin_status, fields, spawn_client};
 
 /// A SmolLM2-shaped f16 page: 3 KV heads × 64 channels × 32 tokens, with header and bounds.
 const PAGE_BYTES: u64 = 25_408;
@@ -146,6 +146,25 @@ fn oversubscribed(demote_format: &str) {
             )
         })
         .collect();
+    // While pages move, every Status must be one snapshot: each tier's pages by format add up to
+    // its page count (kvmmctl status once showed 550 device pages beside a census of 604).
+    let watching = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let watcher = {
+        let (watching, socket) = (watching.clone(), daemon.dir().join("kvmm-admin.sock"));
+        std::thread::spawn(move || {
+            let (mut polls, mut torn) = (0, Vec::new());
+            while watching.load(std::sync::atomic::Ordering::Relaxed) {
+                for t in admin_status(&socket).tiers {
+                    if t.by_format.iter().map(|f| f.pages).sum::<u64>() != t.pages {
+                        torn.push(format!("{t:?}"));
+                    }
+                }
+                polls += 1;
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            (polls, torn)
+        })
+    };
     let mut pages = 0;
     for c in &mut clients {
         let line = c.expect_line("appended");
@@ -157,6 +176,10 @@ fn oversubscribed(demote_format: &str) {
             pages += f[tier].parse::<u64>().unwrap();
         }
     }
+    watching.store(false, std::sync::atomic::Ordering::Relaxed);
+    let (polls, torn) = watcher.join().unwrap();
+    println!("{polls} Status calls while pages moved");
+    assert!(polls >= 10 && torn.is_empty(), "{} of {polls} Status calls were torn: {torn:?}", torn.len());
     let s = daemon.status();
     println!("{s:?}");
     let tier_pages: u64 = s.tiers.iter().map(|t| t.pages).sum();

@@ -196,8 +196,8 @@ impl pb::admin_server::Admin for AdminService {
 
     async fn status(&self, req: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {
         self.authorize(caller(&req)?)?;
-        let s = self.daemon.status();
-        let usage = tier_usage(&self.daemon.usage());
+        let (s, usage) = self.daemon.status_with_usage();
+        let usage = tier_usage(&usage);
         let formats = |tier: &str| usage.iter().find(|t| t.tier == tier).map_or(Vec::new(), |t| t.by_format.clone());
         let mut tiers = vec![pb::TierStatus {
             tier: DEVICE_TIER.to_owned(),
