@@ -17,7 +17,7 @@
 //! hits them alike; the table gives each backend's median tokens/s and the median over rounds of
 //! its ratio to `local` in the same round, and for q4 its ratio to kvmm f16.
 //!
-//! The model is `$KVMM_MODEL`, else `~/.cache/kvmm/models/SmolLM2-135M-Instruct.Q4_1.gguf`;
+//! The model is `$KVMM_MODEL`, else SmolLM2 in the model cache (`kvmm_infer::model::smollm2_in_cache`);
 //! contexts are `$KVMM_BENCH_CONTEXTS` (default `0,2048,8064`: SmolLM2 holds 8,192 positions).
 //! kvmmd is taken from `$KVMMD_BIN`, else from the target directory beside this bench, and runs
 //! with a device budget that holds every case (no demotion), as root or a user in its admin group
@@ -150,17 +150,13 @@ fn median(mut xs: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
-    let model_path = std::env::var_os("KVMM_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| home.join(".cache/kvmm/models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    if !model_path.exists() {
-        println!(
-            "decode_speed: {} is missing; fetch it with `bash ../shared/scripts/fetch-smollm2.sh` or set KVMM_MODEL",
-            model_path.display()
-        );
-        return;
-    }
+    let model_path = match std::env::var_os("KVMM_MODEL") {
+        Some(path) => PathBuf::from(path),
+        None => match model::smollm2_in_cache() {
+            Ok(path) => path,
+            Err(why) => return println!("decode_speed: skipped: {why}, or set KVMM_MODEL"),
+        },
+    };
     let contexts: Vec<usize> =
         env_or("KVMM_BENCH_CONTEXTS", "0,2048,8064").split(',').map(|c| c.trim().parse().unwrap()).collect();
     let steps: usize = env_or("KVMM_BENCH_STEPS", "16").parse().unwrap();

@@ -92,16 +92,63 @@ impl LocalKvCache {
     pub fn values(&self, layer: usize) -> &[f32] {
         self.values.get(layer).map_or(&[], Vec::as_slice)
     }
+}
 
-    fn check_layer(&self, layer: usize) -> Result<(), InferError> {
-        if layer >= self.keys.len() {
-            return Err(InferError::InvalidArgument(format!(
-                "layer {layer} is out of range: this cache has layers 0..{}",
-                self.keys.len()
-            )));
-        }
-        Ok(())
+/// The layer check every [`KvCache`] makes: `layer` is one of the cache's `layers`.
+pub(crate) fn check_layer(layer: usize, layers: usize) -> Result<(), InferError> {
+    if layer >= layers {
+        return Err(InferError::InvalidArgument(format!(
+            "layer {layer} is out of range: this cache has layers 0..{layers}"
+        )));
     }
+    Ok(())
+}
+
+/// The checks of [`KvCache::append`]: `k` and `v` are one token's rows of `row` floats, and the
+/// layer, holding `held` tokens, has room below `capacity`.
+pub(crate) fn check_append(
+    layer: usize,
+    held: usize,
+    capacity: usize,
+    row: usize,
+    k: &[f32],
+    v: &[f32],
+) -> Result<(), InferError> {
+    if k.len() != row || v.len() != row {
+        return Err(InferError::InvalidArgument(format!(
+            "append takes one token: k and v of kv_heads × head_dim = {row} floats each; got {} and {}",
+            k.len(),
+            v.len()
+        )));
+    }
+    if held >= capacity {
+        return Err(InferError::InvalidArgument(format!(
+            "layer {layer} already holds {capacity} tokens, this cache's capacity"
+        )));
+    }
+    Ok(())
+}
+
+/// The checks of [`KvCache::attention`]: `q` and `out` hold `want` floats (`q_heads × head_dim`),
+/// and the layer, holding `held` tokens, has at least one.
+pub(crate) fn check_attention(
+    layer: usize,
+    held: usize,
+    want: usize,
+    q: &[f32],
+    out: &[f32],
+) -> Result<(), InferError> {
+    if q.len() != want || out.len() != want {
+        return Err(InferError::InvalidArgument(format!(
+            "attention needs q and out of q_heads × head_dim = {want} floats; got q {} and out {}",
+            q.len(),
+            out.len()
+        )));
+    }
+    if held == 0 {
+        return Err(InferError::InvalidArgument(format!("layer {layer} has no tokens yet; append before attention")));
+    }
+    Ok(())
 }
 
 impl KvCache for LocalKvCache {
@@ -110,43 +157,18 @@ impl KvCache for LocalKvCache {
     }
 
     fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), InferError> {
-        self.check_layer(layer)?;
-        let row = self.kv_heads * self.head_dim;
-        if k.len() != row || v.len() != row {
-            return Err(InferError::InvalidArgument(format!(
-                "append takes one token: k and v of kv_heads × head_dim = {row} floats each; got {} and {}",
-                k.len(),
-                v.len()
-            )));
-        }
-        if self.tokens(layer) >= self.max_tokens {
-            return Err(InferError::InvalidArgument(format!(
-                "layer {layer} already holds {} tokens, this cache's capacity",
-                self.max_tokens
-            )));
-        }
+        check_layer(layer, self.keys.len())?;
+        check_append(layer, self.tokens(layer), self.max_tokens, self.kv_heads * self.head_dim, k, v)?;
         self.keys[layer].extend_from_slice(k);
         self.values[layer].extend_from_slice(v);
         Ok(())
     }
 
     fn attention(&mut self, layer: usize, q: &[f32], out: &mut [f32]) -> Result<(), InferError> {
-        self.check_layer(layer)?;
+        check_layer(layer, self.keys.len())?;
         let (d, kv_heads) = (self.head_dim, self.kv_heads);
-        let want = self.q_heads * d;
-        if q.len() != want || out.len() != want {
-            return Err(InferError::InvalidArgument(format!(
-                "attention needs q and out of q_heads × head_dim = {want} floats; got q {} and out {}",
-                q.len(),
-                out.len()
-            )));
-        }
         let n = self.tokens(layer);
-        if n == 0 {
-            return Err(InferError::InvalidArgument(format!(
-                "layer {layer} has no tokens yet; append before attention"
-            )));
-        }
+        check_attention(layer, n, self.q_heads * d, q, out)?;
         let (keys, values) = (&self.keys[layer], &self.values[layer]);
         let group = self.q_heads / kv_heads;
         // The same f32 operations in the same order as llama2.c run.c, so greedy decoding matches it.

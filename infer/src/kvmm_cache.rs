@@ -32,7 +32,7 @@ use kvmm_client::{AttachOptions, Client, ElementType, Geometry, Priority, Sessio
 
 use crate::config::ModelConfig;
 use crate::error::InferError;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, check_append, check_attention, check_layer};
 
 /// Channels per head a kvmm page stores: heads are padded up to a multiple of this.
 pub const CHANNEL_STEP: usize = 16;
@@ -182,14 +182,11 @@ impl KvmmKvCache {
         })
     }
 
+    /// `layer` checked against the session's layers, as the session's `u32`.
     fn check_layer(&self, layer: usize) -> Result<u32, InferError> {
-        match u32::try_from(layer) {
-            Ok(l) if l < self.session.geometry().layers => Ok(l),
-            _ => Err(InferError::InvalidArgument(format!(
-                "layer {layer} is out of range: this cache has layers 0..{}",
-                self.session.geometry().layers
-            ))),
-        }
+        let layers = self.session.geometry().layers;
+        check_layer(layer, layers as usize)?;
+        Ok(layer as u32)
     }
 
     fn failed(layer: usize) -> impl FnOnce(kvmm_client::Error) -> InferError {
@@ -222,20 +219,7 @@ impl KvCache for KvmmKvCache {
 
     fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), InferError> {
         let l = self.check_layer(layer)?;
-        let row = self.kv_heads * self.head_dim;
-        if k.len() != row || v.len() != row {
-            return Err(InferError::InvalidArgument(format!(
-                "append takes one token: k and v of kv_heads × head_dim = {row} floats each; got {} and {}",
-                k.len(),
-                v.len()
-            )));
-        }
-        if self.tokens(layer) >= self.max_tokens {
-            return Err(InferError::InvalidArgument(format!(
-                "layer {layer} already holds {} tokens, this cache's capacity",
-                self.max_tokens
-            )));
-        }
+        check_append(layer, self.tokens(layer), self.max_tokens, self.kv_heads * self.head_dim, k, v)?;
         if self.padded == self.head_dim {
             return self.session.append(l, k, v).map_err(Self::failed(layer));
         }
@@ -246,19 +230,7 @@ impl KvCache for KvmmKvCache {
 
     fn attention(&mut self, layer: usize, q: &[f32], out: &mut [f32]) -> Result<(), InferError> {
         let l = self.check_layer(layer)?;
-        let want = self.q_heads * self.head_dim;
-        if q.len() != want || out.len() != want {
-            return Err(InferError::InvalidArgument(format!(
-                "attention needs q and out of q_heads × head_dim = {want} floats; got q {} and out {}",
-                q.len(),
-                out.len()
-            )));
-        }
-        if self.tokens(layer) == 0 {
-            return Err(InferError::InvalidArgument(format!(
-                "layer {layer} has no tokens yet; append before attention"
-            )));
-        }
+        check_attention(layer, self.tokens(layer), self.q_heads * self.head_dim, q, out)?;
         if self.padded == self.head_dim {
             return self.session.attention(l, q, out).map_err(Self::failed(layer));
         }

@@ -58,26 +58,7 @@ pub fn golden_text() -> Vec<u8> {
     std::fs::read(&path).unwrap_or_else(|e| panic!("could not read {}: {e}", path.display()))
 }
 
-/// The file name `fetch-smollm2.sh` stores SmolLM2-135M-Instruct under.
-pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
 /// SmolLM2-135M-Instruct's GGUF in the model cache, or `None` after printing how to fetch it.
 pub fn smollm2_gguf() -> Option<PathBuf> {
-    let cache = std::env::var_os("KVMM_MODEL_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|home| Path::new(&home).join(".cache/kvmm/models")));
-    let path = cache.map(|c| c.join(SMOLLM2_FILE));
-    match path {
-        Some(p) if p.is_file() => Some(p),
-        _ => {
-            println!(
-                "skipped: run ../shared/scripts/fetch-smollm2.sh (looked for {})",
-                path.map_or_else(
-                    || format!("{SMOLLM2_FILE} with neither KVMM_MODEL_CACHE nor HOME set"),
-                    |p| p.display().to_string()
-                )
-            );
-            None
-        }
-    }
+    kvmm_infer::model::smollm2_in_cache().map_err(|why| println!("skipped: {why}")).ok()
 }

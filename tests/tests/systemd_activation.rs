@@ -91,10 +91,18 @@ fn geometry() -> Geometry {
     }
 }
 
+/// Whether `systemd-socket-activate` can run here; says why the scenario is skipped otherwise.
+fn socket_activate_installed() -> bool {
+    let installed = Command::new("systemd-socket-activate").arg("--version").output().is_ok();
+    if !installed {
+        println!("skipped: systemd-socket-activate is not installed");
+    }
+    installed
+}
+
 #[test]
 fn socket_activated_kvmmd_notifies_reloads_and_stops_in_order() {
-    if Command::new("systemd-socket-activate").arg("--version").output().is_err() {
-        println!("skipped: systemd-socket-activate is not installed");
+    if !socket_activate_installed() {
         return;
     }
     let dir = tempfile::Builder::new().prefix("kvmm-activation-").tempdir().unwrap();
@@ -199,8 +207,7 @@ fn socket_activated_kvmmd_notifies_reloads_and_stops_in_order() {
 
 #[test]
 fn a_passed_socket_kvmmd_cannot_place_is_refused_with_a_sentence() {
-    if Command::new("systemd-socket-activate").arg("--version").output().is_err() {
-        println!("skipped: systemd-socket-activate is not installed");
+    if !socket_activate_installed() {
         return;
     }
     let dir = tempfile::Builder::new().prefix("kvmm-activation-").tempdir().unwrap();

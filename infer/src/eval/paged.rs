@@ -50,7 +50,7 @@ use kvmm_kernels::{AttnShape, DecodeAttention, Format, KernelError, PageShape, P
 
 use crate::config::ModelConfig;
 use crate::error::InferError;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, check_append, check_attention, check_layer};
 
 /// Tokens at the end of a layer whose pages keep the client's precision: the daemon's
 /// `RECENT_WINDOW_TOKENS` (`daemon/src/migrate/tiering.rs`), mirrored because this crate does not
@@ -321,16 +321,6 @@ impl PagedKvCache {
         (self.layers.iter().map(Vec::len).sum(), self.demoted.iter().sum())
     }
 
-    fn check_layer(&self, layer: usize) -> Result<(), InferError> {
-        if layer >= self.layers.len() {
-            return Err(InferError::InvalidArgument(format!(
-                "layer {layer} is out of range: this cache has layers 0..{}",
-                self.layers.len()
-            )));
-        }
-        Ok(())
-    }
-
     /// Demotes `layer` once for every page that has left the window since the last call: the
     /// page that left and, as [`demotion_formats`] says, the other candidates.
     fn demote(&mut self, layer: usize) -> Result<(), InferError> {
@@ -366,21 +356,8 @@ impl KvCache for PagedKvCache {
     }
 
     fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), InferError> {
-        self.check_layer(layer)?;
-        let row = self.kv_heads * self.head_dim;
-        if k.len() != row || v.len() != row {
-            return Err(InferError::InvalidArgument(format!(
-                "append takes one token: k and v of kv_heads × head_dim = {row} floats each; got {} and {}",
-                k.len(),
-                v.len()
-            )));
-        }
-        if self.tokens(layer) >= self.max_tokens {
-            return Err(InferError::InvalidArgument(format!(
-                "layer {layer} already holds {} tokens, this cache's capacity",
-                self.max_tokens
-            )));
-        }
+        check_layer(layer, self.layers.len())?;
+        check_append(layer, self.tokens(layer), self.max_tokens, self.kv_heads * self.head_dim, k, v)?;
         let (d, padded) = (self.head_dim, self.shape.head_dim);
         for (dst, src) in self.k_row.chunks_exact_mut(padded).zip(k.chunks_exact(d)) {
             dst[..d].copy_from_slice(src);
@@ -406,22 +383,10 @@ impl KvCache for PagedKvCache {
     }
 
     fn attention(&mut self, layer: usize, q: &[f32], out: &mut [f32]) -> Result<(), InferError> {
-        self.check_layer(layer)?;
+        check_layer(layer, self.layers.len())?;
         let (d, padded) = (self.head_dim, self.shape.head_dim);
-        let want = self.q_heads * d;
-        if q.len() != want || out.len() != want {
-            return Err(InferError::InvalidArgument(format!(
-                "attention needs q and out of q_heads × head_dim = {want} floats; got q {} and out {}",
-                q.len(),
-                out.len()
-            )));
-        }
+        check_attention(layer, self.tokens(layer), self.q_heads * d, q, out)?;
         let pages = &mut self.layers[layer];
-        if pages.is_empty() {
-            return Err(InferError::InvalidArgument(format!(
-                "layer {layer} has no tokens yet; append before attention"
-            )));
-        }
         for (dst, src) in self.q_pad.chunks_exact_mut(padded).zip(q.chunks_exact(d)) {
             dst[..d].copy_from_slice(src);
         }

@@ -144,6 +144,25 @@ impl Model {
     }
 }
 
+/// The file name `../shared/scripts/fetch-smollm2.sh` stores SmolLM2-135M-Instruct under.
+pub const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// SmolLM2-135M-Instruct's GGUF in the model cache (`$KVMM_MODEL_CACHE`, else
+/// `~/.cache/kvmm/models`, where the fetch script puts it); otherwise a sentence saying where it
+/// was looked for and how to fetch it.
+pub fn smollm2_in_cache() -> Result<std::path::PathBuf, String> {
+    let cache = std::env::var_os("KVMM_MODEL_CACHE")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| Path::new(&home).join(".cache/kvmm/models")));
+    match cache.map(|c| c.join(SMOLLM2_FILE)) {
+        Some(p) if p.is_file() => Ok(p),
+        Some(p) => Err(format!("run ../shared/scripts/fetch-smollm2.sh (looked for {})", p.display())),
+        None => Err(format!(
+            "run ../shared/scripts/fetch-smollm2.sh (looked for {SMOLLM2_FILE} with neither KVMM_MODEL_CACHE nor HOME set)"
+        )),
+    }
+}
+
 /// Loads a model of either family, told apart by the file's first bytes (`GGUF` or not), with its
 /// tokenizer: a GGUF file carries its own, a llama2.c checkpoint takes one from `tokenizer` (or has
 /// none when that is `None`).
