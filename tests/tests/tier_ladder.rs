@@ -340,3 +340,43 @@ fn injected_flash_errors_fail_only_their_pages_and_leak_nothing() {
     }
     assert!(daemon.stop().success());
 }
+
+/// A regression: with the device full of pages that were not full (each layer's tail page and the
+/// empty pages `Extend` reserves ahead of it), a `Fault` or `Extend` found no victim and failed
+/// with RESOURCE_EXHAUSTED while DRAM and flash had room (four SmolLM2 processes on an 8 MiB
+/// device, `infer/demo.sh`). Such pages are now taken when full ones are not enough: empty ones
+/// first, then tails, each demoted at the client's precision and faulted back when written.
+#[test]
+fn tail_and_reserved_pages_give_way_when_no_full_page_is_left() {
+    // Per client: 16 layers × (4 full pages, a tail of 22 tokens and 3 reserved pages) = 128 pages
+    // the old victim rule could not take; 384 for three, on a device of 100 pages.
+    let device = (100 * PAGE_BYTES).to_string();
+    let flash = tempfile::tempdir().unwrap();
+    let daemon = start(
+        flash.path(),
+        &["--device-budget", &device, "--dram-budget", "64MiB", "--flash-budget", "64MiB", "--demote-format", "none"],
+    );
+    let mut clients: Vec<_> = (0..3u64)
+        .map(|i| {
+            let seed = (70 + i).to_string();
+            spawn_client("run", &daemon, &["--layers", "16", "--tokens", "150", "--seed", &seed])
+        })
+        .collect();
+    for c in &mut clients {
+        let f = fields(&c.expect_line("appended"));
+        assert_eq!(f["tokens"], "150");
+        assert!(f["worst_rel_err"].parse::<f64>().unwrap() <= 1e-3, "{f:?}");
+    }
+    let s = daemon.status();
+    assert!(s.demoted_to_dram > 0, "the device was oversubscribed: {s:?}");
+    let device_tier = s.tiers.iter().find(|t| t.tier == "device").unwrap();
+    assert!(device_tier.used_bytes <= device_tier.budget_bytes, "{device_tier:?}");
+    for c in &mut clients {
+        c.send("check 1");
+        c.expect_line("checked");
+        c.send("exit");
+        c.expect_line("detached");
+        assert!(c.wait(Duration::from_secs(20)).success());
+    }
+    assert!(daemon.stop().success());
+}

@@ -125,7 +125,8 @@ pub fn tier_task(daemon: Arc<Daemon>) {
         }
         if let (Some(flash), true) = (daemon.flash.as_ref(), plan.spill_dram > 0) {
             let mut core = daemon.core.lock();
-            let victims = tiering::pick_victims(&core, tiering::VictimTier::Dram, plan.spill_dram, &none);
+            let victims =
+                tiering::pick_victims(&core, tiering::VictimTier::Dram, plan.spill_dram, &none, tiering::Need::Cold);
             let before = dram_used(&core);
             if let Err(e) = tiering::move_to_flash(&mut core, flash, &victims) {
                 tracing::warn!(error = %e, "background demotion to flash failed");

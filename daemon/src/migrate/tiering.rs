@@ -22,10 +22,11 @@
 //!
 //! Lock order: core, then flash. Nothing holds the flash lock while taking the core lock.
 //!
-//! Victims ([`pick_victims`]): full pages only (a client writes its tail page in place), a page
-//! promoted in the last [`HOT_AFTER_FAULT`] only when nothing else can go, ordered batch sessions
-//! first, then background, then foreground, and within a class by the attention mass the client's
-//! kernels record (least first), older blocks first.
+//! Victims ([`pick_victims`]): full pages first; for a request that waits on the room ([`Need`])
+//! then empty pages (reserved by `Extend`) and last partly written tails, which the client faults
+//! back when it writes them; a page promoted in the last [`HOT_AFTER_FAULT`] only when nothing else
+//! can go; within each of those, batch sessions first, then background, then foreground, and within
+//! a class by the attention mass the client's kernels record (least first), older blocks first.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -98,18 +99,48 @@ pub enum VictimTier {
     Dram,
 }
 
+/// Which pages [`pick_victims`] may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Need {
+    /// Background draining: full pages only. A tail page is written by its client at every token
+    /// and a reserved page soon, so moving them down early only buys a fault back.
+    Cold,
+    /// A request waits for the room (`Fault`, `Extend`, a spill to flash): when full pages are not
+    /// enough, pages nothing was written to yet (the blocks `Extend` reserves ahead) and then
+    /// partly written tails. They are demoted at the client's precision and faulted back when
+    /// written; without them a device filled with tails and reservations refused every request
+    /// while DRAM and flash had room.
+    Waiting,
+}
+
 /// The coldest pages in `from` whose footprints add up to at least `bytes` (fewer if there are not
 /// enough), leaving out `protect`, and pages promoted within [`HOT_AFTER_FAULT`] unless the others
 /// are not enough.
-pub fn pick_victims(core: &Core, from: VictimTier, bytes: u64, protect: &HashSet<PageRef>) -> Vec<PageRef> {
-    let cold = pick(core, from, bytes, protect, true);
+pub fn pick_victims(core: &Core, from: VictimTier, bytes: u64, protect: &HashSet<PageRef>, need: Need) -> Vec<PageRef> {
+    let cold = pick(core, from, bytes, protect, true, need);
     let total: u64 = cold.iter().filter_map(|r| footprint(core, *r)).sum();
-    if total >= bytes { cold } else { pick(core, from, bytes, protect, false) }
+    if total >= bytes { cold } else { pick(core, from, bytes, protect, false, need) }
 }
 
-fn pick(core: &Core, from: VictimTier, bytes: u64, protect: &HashSet<PageRef>, spare_hot: bool) -> Vec<PageRef> {
+/// How soon a page is taken: full pages first, then (for [`Need::Waiting`]) empty ones, then tails.
+fn fill_rank(tokens: u32, block_tokens: u32) -> u8 {
+    match tokens {
+        t if t >= block_tokens => 0,
+        0 => 1,
+        _ => 2,
+    }
+}
+
+fn pick(
+    core: &Core,
+    from: VictimTier,
+    bytes: u64,
+    protect: &HashSet<PageRef>,
+    spare_hot: bool,
+    need: Need,
+) -> Vec<PageRef> {
     let now = Instant::now();
-    let mut candidates: Vec<(u8, f32, u32, PageRef, u64)> = Vec::new();
+    let mut candidates: Vec<(u8, u8, f32, u32, PageRef, u64)> = Vec::new();
     for s in core.sessions.iter() {
         let class = match s.priority {
             Priority::Batch => 0,
@@ -127,16 +158,18 @@ fn pick(core: &Core, from: VictimTier, bytes: u64, protect: &HashSet<PageRef>, s
                 continue;
             }
             let Ok(client) = s.region.entry(layer, block) else { continue };
-            if client.tokens_clamped(bt) < bt {
+            let rank = fill_rank(client.tokens_clamped(bt), bt);
+            if rank > 0 && need == Need::Cold {
                 continue;
             }
-            candidates.push((class, client.importance_clamped(), block, r, page.place.footprint()));
+            candidates.push((rank, class, client.importance_clamped(), block, r, page.place.footprint()));
         }
     }
-    candidates.sort_by(|a, b| (a.0, a.1, a.2).partial_cmp(&(b.0, b.1, b.2)).unwrap_or(std::cmp::Ordering::Equal));
+    candidates
+        .sort_by(|a, b| (a.0, a.1, a.2, a.3).partial_cmp(&(b.0, b.1, b.2, b.3)).unwrap_or(std::cmp::Ordering::Equal));
     let mut total = 0;
     let mut out = Vec::new();
-    for (_, _, _, r, footprint) in candidates {
+    for (_, _, _, _, r, footprint) in candidates {
         if total >= bytes {
             break;
         }
@@ -537,7 +570,7 @@ pub fn make_room(
         let need = room.bytes();
         // Short of budget: any session's pages help. Short of a hole: only the arena's own do.
         let (bytes, only) = if free < need { (need - free, None) } else { (need, room.uid) };
-        let victims: Vec<PageRef> = pick_victims(core, VictimTier::Device, bytes, protect)
+        let victims: Vec<PageRef> = pick_victims(core, VictimTier::Device, bytes, protect, Need::Waiting)
             .into_iter()
             .filter(|r| {
                 only.is_none_or(|uid| core.sessions.get_unchecked(r.session).is_some_and(|s| s.owner.uid == uid))
@@ -570,7 +603,7 @@ pub fn demote_coldest(
     scratch: &mut Scratch,
 ) -> Result<u64> {
     let before = core.pool.used();
-    let victims = pick_victims(core, VictimTier::Device, bytes, &HashSet::new());
+    let victims = pick_victims(core, VictimTier::Device, bytes, &HashSet::new(), Need::Cold);
     if victims.is_empty() {
         return Ok(0);
     }
@@ -600,7 +633,7 @@ pub fn move_to_flash(core: &mut MutexGuard<'_, Core>, flash: &Mutex<FlashFile>, 
 
 /// Moves at least `bytes` of the coldest DRAM pages to flash, synchronously; returns pages moved.
 pub fn spill_dram(core: &mut Core, flash: &Mutex<FlashFile>, bytes: u64, protect: &HashSet<PageRef>) -> Result<u32> {
-    let victims = pick_victims(core, VictimTier::Dram, bytes, protect);
+    let victims = pick_victims(core, VictimTier::Dram, bytes, protect, Need::Waiting);
     if victims.is_empty() {
         return Ok(0);
     }
