@@ -508,7 +508,7 @@ impl Daemon {
         }
         let mut core = self.core.lock();
         let room = {
-            let s = core.sessions.get(session_id, caller.uid)?;
+            let s = core.sessions.get(session_id, caller.uid, caller.id)?;
             let have = s.pages.allocated_blocks();
             let cap = s.pages.blocks_per_layer();
             if u64::from(have) + u64::from(blocks) > u64::from(cap) {
@@ -541,7 +541,7 @@ impl Daemon {
             self.wake_tiers();
         }
         let Core { pool, sessions, .. } = &mut *core;
-        let s = sessions.get_mut(session_id, caller.uid)?;
+        let s = sessions.get_mut(session_id, caller.uid, caller.id)?;
         s.last_access = Instant::now();
         let have = s.pages.allocated_blocks();
         let page_bytes = s.geometry.page_bytes();
@@ -579,7 +579,7 @@ impl Daemon {
     /// Destroys a session on its owner's request; returns the bytes wiped.
     pub fn detach(&self, caller: ConnInfo, session_id: u64) -> Result<u64> {
         let mut core = self.core.lock();
-        core.sessions.get(session_id, caller.uid)?;
+        core.sessions.get(session_id, caller.uid, caller.id)?;
         let bytes = destroy(&mut core, self.flash.as_ref(), session_id, TableStatus::Closed)?.total();
         crate::limited!(info, session = session_id, bytes, "detached");
         Ok(bytes)
@@ -593,7 +593,7 @@ impl Daemon {
     pub fn wipe(&self, which: WipeScope, by: ConnInfo, as_owner: bool) -> Result<WipeReport> {
         let mut core = self.core.lock();
         let ids = match which {
-            WipeScope::Session(id) if as_owner => vec![core.sessions.get(id, by.uid)?.id],
+            WipeScope::Session(id) if as_owner => vec![core.sessions.get(id, by.uid, by.id)?.id],
             WipeScope::Session(id) if core.sessions.was_wiped(id) => return Err(Error::Wiped(id)),
             WipeScope::Session(id) => vec![core.sessions.get_unchecked(id).ok_or(Error::UnknownSession(id))?.id],
             _ if as_owner => {
@@ -664,7 +664,7 @@ impl Daemon {
         let mut core = self.core.lock();
         let core = &mut *core;
         core.tokens.redeem(request.session_id, &request.token, peer, Instant::now())?;
-        let s = core.sessions.get(request.session_id, peer.uid)?;
+        let s = core.sessions.get_owned(request.session_id, peer.uid)?;
         let arena = core
             .pool
             .arena(s.owner.uid)
@@ -679,7 +679,7 @@ impl Daemon {
     /// Statistics of one session.
     pub fn session_stats(&self, caller: ConnInfo, session_id: u64) -> Result<SessionStats> {
         let core = self.core.lock();
-        let s = core.sessions.get(session_id, caller.uid)?;
+        let s = core.sessions.get(session_id, caller.uid, caller.id)?;
         Ok(SessionStats {
             session_id,
             geometry: s.geometry,
@@ -714,7 +714,7 @@ impl Daemon {
         self.admit()?;
         let refs: Vec<PageRef> = {
             let mut core = self.core.lock();
-            let s = core.sessions.get_mut(session_id, caller.uid)?;
+            let s = core.sessions.get_mut(session_id, caller.uid, caller.id)?;
             s.last_access = Instant::now();
             for &(layer, block) in pages {
                 check_page(s, layer, block)?;
@@ -737,7 +737,7 @@ impl Daemon {
                 return Err(error.into());
             }
             let core = self.core.lock();
-            let s = core.sessions.get(session_id, caller.uid)?;
+            let s = core.sessions.get(session_id, caller.uid, caller.id)?;
             let mut out = Vec::with_capacity(pages.len());
             for &(layer, block) in pages {
                 let (generation, flags) = s.table.entry(layer, block)?.load_state(std::sync::atomic::Ordering::Acquire);
@@ -807,8 +807,11 @@ impl Daemon {
         let mut inbound = tiering::prepare_flash_reads(&mut core, &flash_pages);
         drop(core);
         let read = tiering::read_from_flash(&mut flash.lock(), &mut inbound, &self.metrics);
+        crate::failpoint::hit("promote-after-read");
         let mut core = self.core.lock();
-        tiering::commit_flash_reads(&mut core, flash, inbound, read)
+        let lost = tiering::commit_flash_reads(&mut core, flash, inbound, read);
+        crate::failpoint::hit("promote-after-publish");
+        lost
     }
 
     /// Records a prefetch hint for a range of pages; returns (resident, scheduled).
@@ -821,7 +824,7 @@ impl Daemon {
     ) -> Result<(u32, u32)> {
         self.admit()?;
         let mut core = self.core.lock();
-        let s = core.sessions.get_mut(session_id, caller.uid)?;
+        let s = core.sessions.get_mut(session_id, caller.uid, caller.id)?;
         s.last_access = Instant::now();
         if layers.is_empty() || blocks.is_empty() {
             return Err(Error::InvalidArgument("a prefetch must name at least one layer and one block".to_owned()));

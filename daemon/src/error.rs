@@ -38,6 +38,14 @@ pub enum Error {
     /// No session with this id exists (for this caller).
     #[error("session {0} does not exist: it was detached, destroyed with its connection, or never attached")]
     UnknownSession(u64),
+    /// The session is the caller's uid's but was attached through another connection: a handle
+    /// kept across a reconnect (the old connection's sessions died with it; a restarted kvmmd may
+    /// have reused the id).
+    #[error(
+        "session {0} was attached through another connection; a session is used through the connection that \
+         attached it: after a reconnect, attach again"
+    )]
+    OtherConnection(u64),
     /// An operator wiped the session: its data is gone.
     #[error("session {0} was wiped by an administrator; its data is gone: attach a new session")]
     Wiped(u64),
@@ -131,7 +139,7 @@ impl Error {
     pub fn kind(&self) -> ErrorKind {
         match self {
             Error::Geometry(_) | Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
-            Error::UnknownSession(_) => ErrorKind::NotFound,
+            Error::UnknownSession(_) | Error::OtherConnection(_) => ErrorKind::NotFound,
             Error::ForeignSession { .. } | Error::PermissionDenied(_) => ErrorKind::PermissionDenied,
             Error::Exhausted { .. } | Error::OverQuota { .. } | Error::NothingToDrop { .. } => {
                 ErrorKind::ResourceExhausted

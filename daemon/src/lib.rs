@@ -11,6 +11,7 @@
 pub mod config;
 pub mod daemon;
 pub mod error;
+pub mod failpoint;
 pub mod fdpass;
 pub mod metrics;
 pub mod migrate;

@@ -101,6 +101,20 @@ pub fn kvmmd_command_as_nobody() -> Command {
     }
 }
 
+/// Spawns `kvmmd` with `--runtime-dir dir` and `args`, its stderr into `log`.
+fn spawn_kvmmd(kvmmd: &mut Command, dir: &Path, log: &Path, args: &[&str]) -> Child {
+    kvmmd
+        .arg("--runtime-dir")
+        .arg(dir)
+        .args(args)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .expect("spawn kvmmd")
+}
+
 /// A running kvmmd in a private runtime directory. Dropping it kills the daemon.
 #[derive(Debug)]
 pub struct Daemon {
@@ -128,19 +142,28 @@ impl Daemon {
             std::os::unix::fs::chown(dir.path(), Some(uid), Some(uid)).unwrap();
         }
         let log = dir.path().join("kvmmd.log");
-        let child = kvmmd
-            .arg("--runtime-dir")
-            .arg(dir.path())
-            .args(args)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("spawn kvmmd");
+        let child = spawn_kvmmd(&mut kvmmd, dir.path(), &log, args);
         let mut d = Daemon { child: Some(child), dir, log };
         d.wait_for_sockets();
         d
+    }
+
+    /// Waits for the daemon to exit by itself (at most `timeout`) and returns how it ended.
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        wait_timeout(self.child.as_mut().unwrap(), timeout)
+            .unwrap_or_else(|| panic!("kvmmd did not exit within {timeout:?}; log:\n{}", self.log()))
+    }
+
+    /// Starts `kvmmd` again in the same runtime directory (after it exited), with `args`, as a
+    /// service manager restarts it; its log starts afresh.
+    pub fn restart(&mut self, mut kvmmd: Command, args: &[&str]) {
+        if self.child.as_mut().unwrap().try_wait().unwrap().is_some() {
+            let child = spawn_kvmmd(&mut kvmmd, self.dir.path(), &self.log, args);
+            self.child = Some(child);
+            self.wait_for_sockets();
+        } else {
+            panic!("restart: kvmmd is still running");
+        }
     }
 
     /// Starts kvmmd with every tier: a device budget of `device`, 16 MiB of DRAM and a 16 MiB flash

@@ -294,6 +294,7 @@ pub fn demote_to_dram(core: &mut Core, demotion: &Demotion, pages: &[PageRef], s
                 return Err(e.into());
             }
         };
+        crate::failpoint::hit("dram-after-store");
         entry.finish_evict(ticket);
         s.pages.set(r.layer, r.block, Place::Dram(slot), format);
         pool.free_frame(uid, frame)?;
@@ -368,6 +369,7 @@ fn commit_to_flash(
         match (still, dram.as_mut()) {
             (Some(s), Some(dram)) => {
                 s.pages.replace(o.page.layer, o.page.block, Place::Flash(slot));
+                crate::failpoint::hit("flash-after-index");
                 dram.free(o.slot);
                 tier_counters.demoted_to_flash += 1;
                 moved += 1;
@@ -628,6 +630,7 @@ pub fn move_to_flash(core: &mut MutexGuard<'_, Core>, flash: &Mutex<FlashFile>, 
     }
     let metrics = core.metrics.clone();
     let written = MutexGuard::unlocked(core, || write_to_flash(&mut flash.lock(), &out, &metrics));
+    crate::failpoint::hit("flash-after-write");
     Ok(commit_to_flash(core, flash, out, written))
 }
 
@@ -639,6 +642,7 @@ pub fn spill_dram(core: &mut Core, flash: &Mutex<FlashFile>, bytes: u64, protect
     }
     let out = take_from_dram(core, &victims)?;
     let written = write_to_flash(&mut flash.lock(), &out, &core.metrics);
+    crate::failpoint::hit("flash-after-write");
     Ok(commit_to_flash(core, flash, out, written))
 }
 

@@ -58,8 +58,9 @@ impl Registry {
         }
     }
 
-    /// The session `id` if `uid` may use it.
-    pub fn get(&self, id: u64, uid: u32) -> Result<&Session> {
+    /// The session `id` if `uid` may use it, from any connection (the fd socket, whose requests
+    /// carry a one-time token instead).
+    pub fn get_owned(&self, id: u64, uid: u32) -> Result<&Session> {
         let s = self.sessions.get(&id).ok_or_else(|| self.missing(id, uid))?;
         if s.owner.uid != uid {
             return Err(Error::ForeignSession { session: id, owner: s.owner.uid, caller: uid });
@@ -67,16 +68,22 @@ impl Registry {
         Ok(s)
     }
 
-    /// Mutable access to session `id` if `uid` may use it.
-    pub fn get_mut(&mut self, id: u64, uid: u32) -> Result<&mut Session> {
-        if !self.sessions.contains_key(&id) {
-            return Err(self.missing(id, uid));
-        }
-        let s = self.sessions.get_mut(&id).ok_or(Error::UnknownSession(id))?;
-        if s.owner.uid != uid {
-            return Err(Error::ForeignSession { session: id, owner: s.owner.uid, caller: uid });
+    /// The session `id` if the caller (`uid` on connection `conn`) may use it: its owner, through
+    /// the connection that attached it. A session dies with its connection, so a call from another
+    /// connection comes from a stale handle (one kept across a reconnect, perhaps to a restarted
+    /// kvmmd whose new session has the same id) and must not touch it.
+    pub fn get(&self, id: u64, uid: u32, conn: ConnId) -> Result<&Session> {
+        let s = self.get_owned(id, uid)?;
+        if s.owner.conn != conn {
+            return Err(Error::OtherConnection(id));
         }
         Ok(s)
+    }
+
+    /// Mutable access to session `id` under the rule of [`Registry::get`].
+    pub fn get_mut(&mut self, id: u64, uid: u32, conn: ConnId) -> Result<&mut Session> {
+        self.get(id, uid, conn)?;
+        self.sessions.get_mut(&id).ok_or(Error::UnknownSession(id))
     }
 
     /// Any session by id, without an ownership check (daemon-internal and admin work).

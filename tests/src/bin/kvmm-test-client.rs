@@ -26,6 +26,8 @@
 //!   and token (and, with --fetch, the received arena's inode), then wait for `exit`.
 //! - `fd-request --session S --token HEX`: present a token on the fd socket; print the reply.
 //! - `foreign --session S`: from another uid, try every session RPC on S and print the codes.
+//! - `crash-run [geometry] --tokens N`: like `run`, but survives kvmmd dying: reconnects, attaches
+//!   again, appends its K/V again and carries on (`tests/tests/crash_restart.rs`).
 //!
 //! `wipe` (in `run`) wipes the session through the session socket, as its owner may.
 
@@ -615,6 +617,7 @@ fn main() {
         }
         "foreign" => foreign(&a),
         "admin-all" => admin_all(&a),
+        "crash-run" => crash_run(&a),
         other => panic!("unknown mode {other}"),
     }
 }
@@ -675,4 +678,99 @@ fn foreign(a: &Args) {
         code(wipe),
         code(detach)
     );
+}
+
+/// `crash-run`: appends `--tokens N` tokens to every layer, each followed by an attention over the
+/// layer checked against this process's own K/V, and outlives kvmmd: when a call fails with
+/// `UNAVAILABLE` (the daemon is gone) or `FAILED_PRECONDITION` (a page it was moving when it died
+/// stays marked), it reconnects (retrying for 30 s), attaches a new session, appends its K/V again
+/// and carries on. Prints `reconnected after=CODE` for each, then `done tokens=N reconnects=R
+/// checked=C worst_rel_err=E` and waits for `exit` before detaching.
+fn crash_run(a: &Args) {
+    let g = a.geometry();
+    let row = (g.kv_heads * g.head_dim) as usize;
+    let target: usize = a.get("tokens", 100);
+    let mut rng = Rng(a.get("seed", 1u64) | 1);
+    let layers = g.layers as usize;
+    // Rows as stored (rounded to the element type), per layer; appending them again stores the same.
+    let (mut keys, mut values) = (vec![Vec::<f32>::new(); layers], vec![Vec::<f32>::new(); layers]);
+    let (mut reconnects, mut checked, mut worst) = (0u32, 0u64, 0f64);
+    let mut session = attach_retrying(a, g);
+    loop {
+        let result = (|| -> Result<(), kvmm_client::Error> {
+            // A fresh session holds nothing: append what the last one held.
+            for layer in 0..layers {
+                let held = session.tokens(layer as u32) as usize;
+                for t in held..keys[layer].len() / row {
+                    let span = t * row..(t + 1) * row;
+                    session.append(layer as u32, &keys[layer][span.clone()], &values[layer][span])?;
+                }
+            }
+            for t in keys.iter().map(|k| k.len() / row).min().unwrap_or(0)..target {
+                for layer in 0..layers {
+                    if keys[layer].len() / row > t {
+                        continue;
+                    }
+                    let (k, v) = (rng.vec(row), rng.vec(row));
+                    session.append(layer as u32, &k, &v)?;
+                    keys[layer].extend(k.iter().map(|&x| round_to(g.element_type, x)));
+                    values[layer].extend(v.iter().map(|&x| round_to(g.element_type, x)));
+                    let q = rng.vec((g.q_heads * g.head_dim) as usize);
+                    let mut out = vec![0f32; q.len()];
+                    session.attention(layer as u32, &q, &mut out)?;
+                    let mut want = vec![0f32; q.len()];
+                    let scale = 1.0 / (g.head_dim as f32).sqrt();
+                    let (qh, kvh, d) = (g.q_heads as usize, g.kv_heads as usize, g.head_dim as usize);
+                    reference_attention_f32(qh, kvh, d, &q, &keys[layer], &values[layer], scale, &mut want).unwrap();
+                    let (mut diff, mut norm) = (0f64, 0f64);
+                    for (x, y) in out.iter().zip(&want) {
+                        diff += f64::from(x - y).powi(2);
+                        norm += f64::from(*y).powi(2);
+                    }
+                    let rel = (diff / norm.max(1e-30)).sqrt();
+                    if rel.is_nan() || rel > 1e-3 {
+                        println!("FAIL layer={layer} token={t} rel_err={rel:e}");
+                        std::process::exit(3);
+                    }
+                    worst = worst.max(rel);
+                    checked += 1;
+                }
+            }
+            Ok(())
+        })();
+        match result {
+            Ok(()) => break,
+            Err(e)
+                if matches!(e.code(), tonic::Code::Unavailable | tonic::Code::FailedPrecondition) && reconnects < 3 =>
+            {
+                println!("reconnected after={:?} msg={}", e.code(), e.to_string().replace('\n', " "));
+                reconnects += 1;
+                session = attach_retrying(a, g);
+            }
+            Err(e) => die(e),
+        }
+    }
+    println!("done tokens={target} reconnects={reconnects} checked={checked} worst_rel_err={worst:e}");
+    let lines = stdin_lines();
+    while let Ok(line) = lines.recv() {
+        if line.trim() == "exit" {
+            break;
+        }
+    }
+    let wiped = session.detach().unwrap_or_else(|e| die(e));
+    println!("detached wiped_bytes={wiped}");
+}
+
+/// Connects and attaches, retrying for 30 s while the daemon is unreachable (restarting).
+fn attach_retrying(a: &Args, g: Geometry) -> Session {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        match Client::connect(a.socket()).and_then(|client| client.attach_with(g, AttachOptions::default())) {
+            Ok(session) => return session,
+            Err(e) if std::time::Instant::now() < deadline && e.code() == tonic::Code::Unavailable => {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            Err(e) => die(e),
+        }
+    }
 }
