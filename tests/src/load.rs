@@ -359,9 +359,10 @@ fn error_list(errors: &BTreeMap<String, u64>) -> String {
 impl fmt::Display for Summary {
     /// A Markdown table, one row per operation, then the error totals and the verdict.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let plural = if self.processes == 1 { "" } else { "es" };
         writeln!(
             f,
-            "{} processes × {} s: {} workers reported, {} cycles",
+            "{} worker process{plural} × {} s: {} reported, {} cycles",
             self.processes, self.seconds, self.workers_reported, self.cycles
         )?;
         writeln!(f)?;
