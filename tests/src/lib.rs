@@ -6,6 +6,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+pub mod load;
 pub mod models;
 
 use std::io::{BufRead, BufReader, Write};
