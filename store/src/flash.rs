@@ -16,9 +16,9 @@
 //! ```
 //!
 //! The header is never trusted: the caller's own index (a [`FlashSlot`] and the page's
-//! [`PageId`]) says what a slot must hold, a header that disagrees is [`TierError::DataLoss`], and
-//! the GCM tag binds the ciphertext to the page, the slot's nonce `(flash, first block, counter)` and
-//! the length. A slot's counter comes from [`SlotCounters`] keyed by its first block, so no nonce
+//! [`PageId`]) says what a slot must hold, a header that disagrees (or whose reserved bytes are not
+//! zero: they are not authenticated) is [`TierError::DataLoss`], and the GCM tag binds the
+//! ciphertext to the page, the slot's nonce `(flash, first block, counter)` and the length. A slot's counter comes from [`SlotCounters`] keyed by its first block, so no nonce
 //! repeats under any key while the file is open (keys never outlive the daemon).
 //!
 //! Accounting: `used` is the sum of the extents of the live slots; a failed write returns its
@@ -743,6 +743,19 @@ fn open_record(read: &mut PageRead<'_, FlashSlot>, record: &[u8]) -> Result<(), 
     })
 }
 
+/// Decodes a slot's record header as the reader does and encodes it again: `None` where the reader
+/// finds no record in `bytes`.
+///
+/// Only for the `flash_records` fuzz target, which checks that the header codec (private otherwise)
+/// never panics and that every header the reader accepts is the one encoding of what it decoded.
+#[doc(hidden)]
+pub fn reencode_record_header(bytes: &[u8]) -> Option<[u8; RECORD_HEADER]> {
+    let header = Header::decode(bytes)?;
+    let mut out = [0u8; RECORD_HEADER];
+    header.encode(&mut out);
+    Some(out)
+}
+
 /// The record header (module doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Header {
@@ -765,9 +778,17 @@ impl Header {
         out[48..64].copy_from_slice(&self.tag);
     }
 
-    /// The header in `bytes` (at least 64), or `None` when the magic or version is wrong.
+    /// The header in `bytes` (at least 64), or `None` when the magic or version is wrong or a
+    /// reserved byte is not zero. The reserved bytes are not authenticated (the AAD holds only the
+    /// page, counter and length), so accepting any value there would let a slot be changed without
+    /// the read noticing; requiring zeros makes [`Header::encode`] the one encoding of a header.
     fn decode(bytes: &[u8]) -> Option<Header> {
-        if bytes.len() < RECORD_HEADER || bytes[0..8] != MAGIC || bytes[8] != RECORD_VERSION {
+        if bytes.len() < RECORD_HEADER
+            || bytes[0..8] != MAGIC
+            || bytes[8] != RECORD_VERSION
+            || bytes[9..12] != [0; 3]
+            || bytes[40..48] != [0; 8]
+        {
             return None;
         }
         let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));

@@ -137,6 +137,51 @@ fn one_flipped_byte_is_data_loss_for_exactly_that_page() {
     }
 }
 
+/// Found by the `flash_records` fuzz target: a record whose reserved header bytes (9..12, 40..48)
+/// had been changed on disk read back as if intact, because the decoder skipped them and the AAD
+/// does not cover them.
+#[test]
+fn a_changed_reserved_header_byte_is_data_loss_not_an_intact_read() {
+    let (_, engine, buffers) = engines().remove(0);
+    let (dir, mut file) = file_with(engine, buffers, 4 << 20);
+    let key = SessionKey::generate().unwrap();
+    let page = page_bytes(9, 258);
+    let slots = write_all(&mut file, &key, std::slice::from_ref(&page));
+    let raw = std::fs::OpenOptions::new().read(true).write(true).open(dir.path().join("kvmm.flash")).unwrap();
+    for at in [9u64, 11, 40, 46, 47] {
+        let mut byte = [0u8];
+        raw.read_exact_at(&mut byte, slots[0].offset + at).unwrap();
+        assert_eq!(byte, [0], "byte {at} of the header is reserved and written as zero");
+        raw.write_all_at(&[0xee], slots[0].offset + at).unwrap();
+        raw.sync_all().unwrap();
+        let (outs, results) = read_all(&mut file, &key, &slots);
+        match &results[0] {
+            Err(TierError::DataLoss { why, .. }) => assert!(why.contains("no record"), "byte {at}: {why}"),
+            other => panic!("byte {at}: expected data loss, got {other:?}"),
+        }
+        assert!(outs[0].iter().all(|&b| b == 0), "byte {at}: no bytes of a failed page are returned");
+        raw.write_all_at(&[0], slots[0].offset + at).unwrap();
+        raw.sync_all().unwrap();
+        let (outs, results) = read_all(&mut file, &key, &slots);
+        assert!(results[0].is_ok() && outs[0] == page, "byte {at}: restoring the zero restores the page");
+    }
+}
+
+#[test]
+fn record_headers_decode_only_in_their_one_encoding() {
+    let header = Header { len: 258, counter: 3, page: id(1), tag: [0xab; TAG_LEN] };
+    let mut bytes = [0u8; RECORD_HEADER];
+    header.encode(&mut bytes);
+    assert_eq!(Header::decode(&bytes), Some(header));
+    assert_eq!(reencode_record_header(&bytes), Some(bytes));
+    assert_eq!(Header::decode(&bytes[..RECORD_HEADER - 1]), None, "a short header is no header");
+    for at in (9..12).chain(40..48) {
+        let mut changed = bytes;
+        changed[at] = 1;
+        assert_eq!(Header::decode(&changed), None, "reserved byte {at} set");
+    }
+}
+
 #[test]
 fn swapped_slots_are_data_loss_whether_headers_travel_or_not() {
     let (name, engine, buffers) = engines().remove(1);
