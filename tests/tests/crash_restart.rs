@@ -93,3 +93,33 @@ fn killed_after_a_flash_read_before_the_page_is_published() {
 fn killed_after_a_promoted_page_is_published_before_the_fault_reply() {
     crash_at("promote-after-publish");
 }
+
+/// A regression found by the scenarios above: after a restart, a client dropped its stale session
+/// handle, whose `Detach` went through a new connection (the gRPC channel reconnects by itself) and
+/// detached the restarted daemon's new session that had the same id. A session is now used only
+/// through the connection that attached it.
+#[test]
+fn a_stale_handle_cannot_touch_a_session_of_another_connection_with_its_id() {
+    let daemon = Daemon::start(&[]);
+    let mut owner = spawn_client("raw-attach", &daemon, &[]);
+    let session: u64 = fields(&owner.expect_line("attached"))["session"].parse().unwrap();
+
+    // The same uid on another connection: every session call naming it is refused, and nothing
+    // changes.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let refused = rt.block_on(async {
+        let channel = kvmm_client::connect::channel(&daemon.socket()).await.unwrap();
+        let mut rpc = kvmm_proto::v1::session_client::SessionClient::new(channel);
+        let detach = rpc.detach(kvmm_proto::v1::DetachRequest { session_id: session }).await.unwrap_err();
+        let stats = rpc.session_stats(kvmm_proto::v1::SessionStatsRequest { session_id: session }).await.unwrap_err();
+        [detach, stats]
+    });
+    for status in &refused {
+        assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+        assert!(status.message().contains("attached through another connection"), "{status:?}");
+    }
+    assert_eq!(daemon.status().sessions, 1, "the session is still attached");
+    owner.send("exit");
+    assert!(owner.wait(Duration::from_secs(10)).success());
+    assert!(daemon.stop().success());
+}
