@@ -63,6 +63,9 @@ pub struct Core {
     pub prefetch_queue: VecDeque<PageRef>,
     /// The daemon's metrics (the same families as [`Daemon::metrics`]), for tier code under the lock.
     pub metrics: Metrics,
+    /// Device frames reserved for flash pages being read back: in `pool`'s accounting, in no page
+    /// table yet (see [`tiering::Reserved`]). Zero whenever no promotion from flash is under way.
+    pub reserved: tiering::Reserved,
 }
 
 /// The daemon: configuration, the locked core, and the shutdown flag.
@@ -192,8 +195,10 @@ pub struct Status {
     pub used: u64,
     /// Frames in use.
     pub frames: u64,
-    /// Sum over sessions of their page-table bytes (equals `used` when nothing is mid-move).
+    /// Sum over sessions of their page-table bytes: `used` minus `reserved.bytes`.
     pub session_bytes: u64,
+    /// Frames reserved for flash pages being read back (in `used` and `frames`, in no page table).
+    pub reserved: tiering::Reserved,
     /// Live sessions.
     pub sessions: u32,
     /// Arenas.
@@ -262,6 +267,7 @@ impl Daemon {
                 tier_counters: TierCounters::default(),
                 prefetch_queue: VecDeque::new(),
                 metrics,
+                reserved: tiering::Reserved::default(),
             }),
             shutting_down: AtomicBool::new(false),
             draining: AtomicBool::new(false),
@@ -971,6 +977,7 @@ impl Daemon {
             used: core.pool.used(),
             frames: core.pool.frame_count(),
             session_bytes: core.sessions.iter().map(|s| s.pages.bytes()).sum(),
+            reserved: core.reserved,
             sessions: core.sessions.len() as u32,
             trust_domains: core.pool.arena_count() as u32,
             moves: core.moves,
