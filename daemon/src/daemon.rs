@@ -1152,16 +1152,21 @@ impl WipeReport {
     }
 }
 
-/// Removes a session: zeroes and frees its frames and DRAM slots (writes the compiler cannot
-/// drop), punches its flash slots out, drops its key (zeroized with its last holder), and marks
-/// its shared table `status`. Pins do not block this: the client is gone, asked for it, or an
-/// operator did. Returns the bytes wiped per tier.
+/// Removes a session: marks its shared table `status`, zeroes and frees its frames and DRAM slots
+/// (writes the compiler cannot drop), punches its flash slots out, and drops its key (zeroized
+/// with its last holder). Pins do not block this: the client is gone, asked for it, or an operator
+/// did. Returns the bytes wiped per tier.
 fn destroy(core: &mut Core, flash: Option<&Mutex<FlashFile>>, id: u64, status: TableStatus) -> Result<WipeReport> {
     let Some(mut s) = core.sessions.remove(id) else { return Ok(WipeReport::default()) };
     core.tokens.remove(id);
     let mut report = WipeReport { sessions: 1, ..WipeReport::default() };
-    // First the shared entries: a client that is still running (a wipe) can pin nothing from here
-    // on, and faults get FAILED_PRECONDITION.
+    // The status first, ordered before every write below: a client still running (a wipe) may be
+    // reading pages it pinned before the wipe, which are zeroed under it; it looks at the status
+    // after every such access and fails the call with FAILED_PRECONDITION rather than return what
+    // it read (tests/tests/wipe.rs, found by kvmm-soak: it used to be published last).
+    s.table.set_status(status)?;
+    // Then the shared entries: the client can pin nothing from here on, and faults get
+    // FAILED_PRECONDITION.
     for (layer, block, _) in s.pages.all() {
         s.table.entry_writer(layer, block)?.clear();
     }
@@ -1191,8 +1196,6 @@ fn destroy(core: &mut Core, flash: Option<&Mutex<FlashFile>>, id: u64, status: T
         }
     }
     debug_assert_eq!(core.pool.used(), core.pool.used_by_arenas());
-    // Published after the frames are zeroed: a client that sees the status sees zeros.
-    s.table.set_status(status)?;
     Ok(report)
 }
 
