@@ -315,10 +315,7 @@ impl Session {
 
     fn check_layer(&self, layer: u32) -> Result<()> {
         if self.table.status().is_ok_and(|s| s == kvmm_shm::TableStatus::Wiped) {
-            return Err(Error::FailedPrecondition(format!(
-                "session {} was wiped by an administrator; its data is gone: attach a new session",
-                self.id
-            )));
+            return Err(self.wiped());
         }
         if layer >= self.geometry.layers {
             return Err(Error::InvalidArgument(format!(
@@ -327,6 +324,25 @@ impl Session {
             )));
         }
         Ok(())
+    }
+
+    /// The error of every call on a wiped session.
+    fn wiped(&self) -> Error {
+        Error::FailedPrecondition(format!(
+            "session {} was wiped by an administrator; its data is gone: attach a new session",
+            self.id
+        ))
+    }
+
+    /// A wipe zeroes and frees the session's frames even while they are pinned, so every access to
+    /// pinned pages ends here: if the session was wiped meanwhile (the daemon publishes that before
+    /// it touches a frame), whatever the access read or wrote is void and the call fails with
+    /// `FAILED_PRECONDITION`, whether the access itself succeeded or tripped over a zeroed page.
+    fn after_pinned_access<T>(&self, result: Result<T>) -> Result<T> {
+        if self.table.status_after_access().is_ok_and(|s| s == kvmm_shm::TableStatus::Wiped) {
+            return Err(self.wiped());
+        }
+        result
     }
 
     /// Appends `n` tokens' K and V rows to `layer`. `k` and `v` each hold `n × kv_heads × head_dim`
@@ -363,13 +379,14 @@ impl Session {
             if block >= self.allocated_blocks {
                 self.extend_to(block + 1)?;
             }
-            self.write_pinned(
+            let written = self.write_pinned(
                 layer,
                 block,
                 slot,
                 &k[done * row..(done + take) * row],
                 &v[done * row..(done + take) * row],
-            )?;
+            );
+            self.after_pinned_access(written)?;
             self.tokens[layer as usize] += take as u32;
             done += take;
         }
@@ -426,7 +443,7 @@ impl Session {
         self.attn = Some(attn);
         self.mass = mass;
         self.formats = formats;
-        result?;
+        self.after_pinned_access(result)?;
         for (block, &m) in self.mass.iter().enumerate() {
             if self.formats[block].is_none() {
                 continue;

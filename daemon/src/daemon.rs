@@ -63,6 +63,9 @@ pub struct Core {
     pub prefetch_queue: VecDeque<PageRef>,
     /// The daemon's metrics (the same families as [`Daemon::metrics`]), for tier code under the lock.
     pub metrics: Metrics,
+    /// Device frames reserved for flash pages being read back: in `pool`'s accounting, in no page
+    /// table yet (see [`tiering::Reserved`]). Zero whenever no promotion from flash is under way.
+    pub reserved: tiering::Reserved,
 }
 
 /// The daemon: configuration, the locked core, and the shutdown flag.
@@ -192,8 +195,10 @@ pub struct Status {
     pub used: u64,
     /// Frames in use.
     pub frames: u64,
-    /// Sum over sessions of their page-table bytes (equals `used` when nothing is mid-move).
+    /// Sum over sessions of their page-table bytes: `used` minus `reserved.bytes`.
     pub session_bytes: u64,
+    /// Frames reserved for flash pages being read back (in `used` and `frames`, in no page table).
+    pub reserved: tiering::Reserved,
     /// Live sessions.
     pub sessions: u32,
     /// Arenas.
@@ -262,6 +267,7 @@ impl Daemon {
                 tier_counters: TierCounters::default(),
                 prefetch_queue: VecDeque::new(),
                 metrics,
+                reserved: tiering::Reserved::default(),
             }),
             shutting_down: AtomicBool::new(false),
             draining: AtomicBool::new(false),
@@ -971,6 +977,7 @@ impl Daemon {
             used: core.pool.used(),
             frames: core.pool.frame_count(),
             session_bytes: core.sessions.iter().map(|s| s.pages.bytes()).sum(),
+            reserved: core.reserved,
             sessions: core.sessions.len() as u32,
             trust_domains: core.pool.arena_count() as u32,
             moves: core.moves,
@@ -1145,16 +1152,21 @@ impl WipeReport {
     }
 }
 
-/// Removes a session: zeroes and frees its frames and DRAM slots (writes the compiler cannot
-/// drop), punches its flash slots out, drops its key (zeroized with its last holder), and marks
-/// its shared table `status`. Pins do not block this: the client is gone, asked for it, or an
-/// operator did. Returns the bytes wiped per tier.
+/// Removes a session: marks its shared table `status`, zeroes and frees its frames and DRAM slots
+/// (writes the compiler cannot drop), punches its flash slots out, and drops its key (zeroized
+/// with its last holder). Pins do not block this: the client is gone, asked for it, or an operator
+/// did. Returns the bytes wiped per tier.
 fn destroy(core: &mut Core, flash: Option<&Mutex<FlashFile>>, id: u64, status: TableStatus) -> Result<WipeReport> {
     let Some(mut s) = core.sessions.remove(id) else { return Ok(WipeReport::default()) };
     core.tokens.remove(id);
     let mut report = WipeReport { sessions: 1, ..WipeReport::default() };
-    // First the shared entries: a client that is still running (a wipe) can pin nothing from here
-    // on, and faults get FAILED_PRECONDITION.
+    // The status first, ordered before every write below: a client still running (a wipe) may be
+    // reading pages it pinned before the wipe, which are zeroed under it; it looks at the status
+    // after every such access and fails the call with FAILED_PRECONDITION rather than return what
+    // it read (tests/tests/wipe.rs, found by kvmm-soak: it used to be published last).
+    s.table.set_status(status)?;
+    // Then the shared entries: the client can pin nothing from here on, and faults get
+    // FAILED_PRECONDITION.
     for (layer, block, _) in s.pages.all() {
         s.table.entry_writer(layer, block)?.clear();
     }
@@ -1184,8 +1196,6 @@ fn destroy(core: &mut Core, flash: Option<&Mutex<FlashFile>>, id: u64, status: T
         }
     }
     debug_assert_eq!(core.pool.used(), core.pool.used_by_arenas());
-    // Published after the frames are zeroed: a client that sees the status sees zeros.
-    s.table.set_status(status)?;
     Ok(report)
 }
 

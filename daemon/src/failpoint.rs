@@ -3,8 +3,11 @@
 //! the OOM killer would, between two steps that are never meant to be separated.
 //!
 //! Compiled only into debug builds (the builds the test suite runs); in a release build [`hit`] is
-//! an empty inline function. A debug kvmmd reads `KVMM_FAILPOINT=NAME[:N]` once: the `N`-th time
-//! (default 1) execution reaches the point `NAME`, it logs the point and kills itself.
+//! an empty inline function. A debug kvmmd reads `KVMM_FAILPOINT=NAME[:N[:pause-MS]]` once: the
+//! `N`-th time (default 1) execution reaches the point `NAME`, it logs the point and kills itself;
+//! with `pause-MS` it sleeps MS milliseconds there instead and carries on, so that a test can look
+//! at the daemon between the two steps (`promote-after-read` is reached with no lock held, so
+//! admin requests are served meanwhile; the others hold the core lock).
 //!
 //! The points (each between the two steps its name says):
 //!
@@ -20,24 +23,29 @@
 pub const POINTS: [&str; 5] =
     ["dram-after-store", "flash-after-write", "flash-after-index", "promote-after-read", "promote-after-publish"];
 
-/// Kills kvmmd at `name` when `KVMM_FAILPOINT` chose it (debug builds only).
+/// Kills kvmmd at `name`, or pauses there, when `KVMM_FAILPOINT` chose it (debug builds only).
 #[cfg(debug_assertions)]
 pub fn hit(name: &str) {
     use std::sync::OnceLock;
     use std::sync::atomic::{AtomicU64, Ordering};
 
-    static CHOSEN: OnceLock<Option<(String, u64)>> = OnceLock::new();
+    static CHOSEN: OnceLock<Option<(String, u64, Option<u64>)>> = OnceLock::new();
     static HITS: AtomicU64 = AtomicU64::new(0);
     let chosen = CHOSEN.get_or_init(|| {
         let text = std::env::var("KVMM_FAILPOINT").ok()?;
-        let (point, nth) = match text.split_once(':') {
-            Some((point, n)) => (point.to_owned(), n.parse().unwrap_or(1)),
-            None => (text, 1),
-        };
-        Some((point, nth))
+        let mut parts = text.split(':');
+        let point = parts.next()?.to_owned();
+        let nth = parts.next().and_then(|n| n.parse().ok()).unwrap_or(1);
+        let pause_ms = parts.next().and_then(|a| a.strip_prefix("pause-")?.parse().ok());
+        Some((point, nth, pause_ms))
     });
-    let Some((point, nth)) = chosen else { return };
+    let Some((point, nth, pause_ms)) = chosen else { return };
     if point != name || HITS.fetch_add(1, Ordering::Relaxed) + 1 != *nth {
+        return;
+    }
+    if let Some(ms) = pause_ms {
+        tracing::warn!(point = name, ms, "fail point reached: kvmmd pauses here (KVMM_FAILPOINT)");
+        std::thread::sleep(std::time::Duration::from_millis(*ms));
         return;
     }
     tracing::error!(point = name, "fail point reached: kvmmd kills itself (KVMM_FAILPOINT)");

@@ -14,7 +14,7 @@
 use std::fmt;
 use std::ops::Deref;
 use std::ptr;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering, fence};
 
 use crate::error::ShmError;
 use crate::geometry::{Geometry, element_type_code, element_type_from_code};
@@ -183,13 +183,25 @@ impl SessionTable {
         self.header().status()
     }
 
-    /// Daemon: publishes the session's status (`Release`). Fails on a client's read-only table.
+    /// Daemon: publishes the session's status, ordered before every later access of this thread
+    /// (a `Release` store, then a `SeqCst` fence). A wipe publishes `Wiped` before it clears the
+    /// entries and zeroes the frames, which a client may be reading under a pin: a client that read
+    /// a byte the wipe wrote sees `Wiped` in [`SessionTable::status_after_access`] afterwards. Fails
+    /// on a client's read-only table.
     pub fn set_status(&self, status: TableStatus) -> Result<(), ShmError> {
         if !self.is_writable() {
             return Err(ShmError::ReadOnly { what: "setting the session status" });
         }
         self.header().status.store(status.code(), Ordering::Release);
+        fence(Ordering::SeqCst);
         Ok(())
+    }
+
+    /// Client: the session's status, ordered after every earlier access of this thread to the
+    /// session's pages (a `SeqCst` fence, then the load): the pairing of [`SessionTable::set_status`].
+    pub fn status_after_access(&self) -> Result<TableStatus, ShmError> {
+        fence(Ordering::SeqCst);
+        self.status()
     }
 }
 

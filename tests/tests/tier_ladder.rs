@@ -380,3 +380,52 @@ fn tail_and_reserved_pages_give_way_when_no_full_page_is_left() {
     }
     assert!(daemon.stop().success());
 }
+
+/// Found by `kvmm-soak`: while a fault's flash read runs (without the core lock), the device frames
+/// it reserved for the pages count in the pool's `used` and `frames` but in no page table, and
+/// `Status` broke `used_bytes == session_bytes` (17 frames, 282,176 bytes, in one soak check).
+/// `Status` reports them now (`reserved_frames`, `reserved_bytes`), and the accounting adds up at
+/// every moment: here, seen from inside the read, held open by a pausing fail point.
+#[test]
+fn frames_reserved_for_a_flash_read_are_accounted_while_it_runs() {
+    let flash = tempfile::tempdir().unwrap();
+    let mut kvmmd = kvmm_tests::kvmmd_command();
+    kvmmd.env("KVMM_FAILPOINT", "promote-after-read:1:pause-3000");
+    let flash_dir = flash.path().to_str().unwrap();
+    let args = [
+        "--device-budget",
+        "64MiB",
+        "--dram-budget",
+        "16MiB",
+        "--flash-budget",
+        "16MiB",
+        "--flash-dir",
+        flash_dir,
+        "--demote-format",
+        "none",
+    ];
+    let daemon = Daemon::start_with(kvmmd, None, &args);
+    let mut c = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "300", "--seed", "21"]);
+    let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
+    assert_eq!(daemon.demote(session, Tier::Flash).demoted, 18);
+
+    // Attention over layer 0 faults its 9 full pages back from flash; the read pauses.
+    c.send("check 1");
+    let (s, waited) = daemon.wait_status(Duration::from_secs(20), |s| s.tiers[0].reserved_frames > 0);
+    let device = &s.tiers[0];
+    assert_eq!(device.reserved_frames, 9, "one layer's pages are on their way back after {waited:?}: {s:?}");
+    assert_eq!(device.reserved_bytes, 9 * PAGE_BYTES, "a frame per page, as large as the page: {s:?}");
+    assert_eq!(device.used_bytes, s.session_bytes + device.reserved_bytes, "{s:?}");
+    assert_eq!(device.frames, device.pages + device.reserved_frames, "{s:?}");
+
+    // Published: nothing reserved, and the plain equality again.
+    let checked = fields(&c.expect_line("checked"));
+    assert!(checked["worst_rel_err"].parse::<f64>().unwrap() <= 1e-3, "{checked:?}");
+    let s = daemon.status();
+    assert_eq!((s.tiers[0].reserved_frames, s.tiers[0].reserved_bytes), (0, 0), "{s:?}");
+    assert_eq!(s.tiers[0].used_bytes, s.session_bytes, "{s:?}");
+    assert!(daemon.log().contains("kvmmd pauses here"), "the fail point paused the read");
+    c.send("exit");
+    c.expect_line("detached");
+    assert!(daemon.stop().success());
+}

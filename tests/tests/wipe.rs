@@ -96,3 +96,33 @@ fn owners_wipe_their_own_sessions_and_operators_wipe_by_user_or_all() {
     assert_eq!((daemon.device_used(), status.sessions), (0, 0), "{status:?}");
     assert!(daemon.stop().success());
 }
+
+/// Found by `kvmm-soak`: a wipe zeroes and frees a session's frames even while its client holds
+/// them pinned, and published `wiped` only afterwards, so an attention under way when an operator
+/// wiped the session read zeroed pages and failed with `INVALID_ARGUMENT` ("page header is all zero
+/// bytes"), or, reading a page zeroed after its header was checked, returned a wrong output as if
+/// nothing happened. The daemon now publishes `wiped` before it clears or zeroes anything, and the
+/// client looks at the status again after every access to pinned pages: the call under way fails
+/// with `FAILED_PRECONDITION`, and no output computed from wiped pages is ever returned.
+#[test]
+fn a_wipe_during_attention_fails_the_call_in_flight_and_never_returns_what_it_read() {
+    let flash = tempfile::tempdir().unwrap();
+    let daemon = start(flash.path());
+    for round in 0..12u64 {
+        let seed = (40 + round).to_string();
+        let mut c = spawn_client("attend-spin", &daemon, &["--layers", "4", "--tokens", "1024", "--seed", &seed]);
+        let session: u64 = fields(&c.expect_line("ready"))["session"].parse().unwrap();
+        // The client is reading pinned pages nearly all the time now.
+        std::thread::sleep(std::time::Duration::from_millis(20 + 7 * round));
+        daemon.wipe_session(session).unwrap();
+        let line = c.expect_line("");
+        let end = fields(&line);
+        assert!(!line.starts_with("FAIL"), "round {round}: an output read from wiped pages was returned: {line}");
+        assert_eq!(end.get("code").map(String::as_str), Some("FailedPrecondition"), "round {round}: {line}");
+        assert!(line.contains("wiped by an administrator"), "round {round}: {line}");
+        assert_eq!(c.wait(std::time::Duration::from_secs(10)).code(), Some(2));
+    }
+    let (status, _) = daemon.wait_status(std::time::Duration::from_secs(5), |s| s.sessions == 0);
+    assert_eq!(daemon.device_used(), 0, "{status:?}");
+    assert!(daemon.stop().success());
+}

@@ -207,6 +207,8 @@ impl pb::admin_server::Admin for AdminService {
             frames: s.frames,
             pages: s.pages_device,
             by_format: formats(DEVICE_TIER),
+            reserved_bytes: s.reserved.bytes,
+            reserved_frames: s.reserved.frames,
             ..Default::default()
         }];
         for (name, stats, pages) in [("dram", s.dram, s.pages_dram), ("flash", s.flash, s.pages_flash)] {
@@ -223,6 +225,7 @@ impl pb::admin_server::Admin for AdminService {
                     auth_failures: t.auth_failures,
                     io_failures: t.io_failures,
                     by_format: formats(name),
+                    ..Default::default()
                 });
             }
         }

@@ -28,6 +28,11 @@
 //! - `foreign --session S`: from another uid, try every session RPC on S and print the codes.
 //! - `crash-run [geometry] --tokens N`: like `run`, but survives kvmmd dying: reconnects, attaches
 //!   again, appends its K/V again and carries on (`tests/tests/crash_restart.rs`).
+//! - `attend-spin [geometry] --tokens N`: appends N tokens to every layer, takes each layer's output
+//!   for one fixed query, prints `ready session=S`, then runs attention over every layer with that
+//!   query, back to back, until a call fails: every output must equal the first bit for bit (else
+//!   `FAIL`, exit 3), and the error ends it (`error code=... attentions=A`, exit 2). Nearly all of
+//!   its time is spent reading pinned pages, which is where a wipe must be caught (`tests/tests/wipe.rs`).
 //!
 //! `wipe` (in `run`) wipes the session through the session socket, as its owner may.
 
@@ -618,6 +623,7 @@ fn main() {
         "foreign" => foreign(&a),
         "admin-all" => admin_all(&a),
         "crash-run" => crash_run(&a),
+        "attend-spin" => attend_spin(&a),
         other => panic!("unknown mode {other}"),
     }
 }
@@ -771,6 +777,41 @@ fn attach_retrying(a: &Args, g: Geometry) -> Session {
                 std::thread::sleep(std::time::Duration::from_millis(100));
             }
             Err(e) => die(e),
+        }
+    }
+}
+
+/// `attend-spin`: see the module doc.
+fn attend_spin(a: &Args) {
+    let client = Client::connect(a.socket()).unwrap_or_else(|e| die(e));
+    let g = a.geometry();
+    let mut session = client.attach_with(g, AttachOptions::default()).unwrap_or_else(|e| die(e));
+    let row = (g.kv_heads * g.head_dim) as usize;
+    let mut rng = Rng(a.get("seed", 1u64) | 1);
+    let tokens: usize = a.get("tokens", 100);
+    for layer in 0..g.layers {
+        session.append(layer, &rng.vec(tokens * row), &rng.vec(tokens * row)).unwrap_or_else(|e| die(e));
+    }
+    let q = rng.vec((g.q_heads * g.head_dim) as usize);
+    let first: Vec<Vec<f32>> = (0..g.layers)
+        .map(|layer| {
+            let mut out = vec![0f32; q.len()];
+            session.attention(layer, &q, &mut out).unwrap_or_else(|e| die(e));
+            out
+        })
+        .collect();
+    println!("ready session={}", session.id());
+    let mut out = vec![0f32; q.len()];
+    for attentions in 0u64.. {
+        let layer = (attentions % u64::from(g.layers)) as u32;
+        if let Err(e) = session.attention(layer, &q, &mut out) {
+            println!("error code={:?} attentions={attentions} msg={}", e.code(), e.to_string().replace('\n', " "));
+            std::process::exit(2);
+        }
+        let want = &first[layer as usize];
+        if out.iter().zip(want).any(|(x, y)| x.to_bits() != y.to_bits()) {
+            println!("FAIL layer={layer} attentions={attentions} out0={} want0={}", out[0], want[0]);
+            std::process::exit(3);
         }
     }
 }
