@@ -10,6 +10,7 @@
 
 use std::path::{Path, PathBuf};
 
+pub use kvmm_client::error::code_name;
 use tonic::Code;
 
 /// Exit status of a command that did what was asked.
@@ -126,29 +127,6 @@ fn innermost_io<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a 
 fn message(status: &tonic::Status) -> String {
     let m = status.message().trim().trim_end_matches('.');
     if m.is_empty() { "(no message)".to_owned() } else { m.to_owned() }
-}
-
-/// The canonical upper-case name of a gRPC code, as the gRPC specification spells it.
-pub fn code_name(code: Code) -> &'static str {
-    match code {
-        Code::Ok => "OK",
-        Code::Cancelled => "CANCELLED",
-        Code::Unknown => "UNKNOWN",
-        Code::InvalidArgument => "INVALID_ARGUMENT",
-        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
-        Code::NotFound => "NOT_FOUND",
-        Code::AlreadyExists => "ALREADY_EXISTS",
-        Code::PermissionDenied => "PERMISSION_DENIED",
-        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
-        Code::FailedPrecondition => "FAILED_PRECONDITION",
-        Code::Aborted => "ABORTED",
-        Code::OutOfRange => "OUT_OF_RANGE",
-        Code::Unimplemented => "UNIMPLEMENTED",
-        Code::Internal => "INTERNAL",
-        Code::Unavailable => "UNAVAILABLE",
-        Code::DataLoss => "DATA_LOSS",
-        Code::Unauthenticated => "UNAUTHENTICATED",
-    }
 }
 
 #[cfg(test)]

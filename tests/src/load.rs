@@ -71,29 +71,7 @@ impl Operation {
 /// gRPC codes that a load run may meet without failing: a full budget refuses pages by design.
 pub const ALLOWED_CODES: [&str; 1] = ["RESOURCE_EXHAUSTED"];
 
-/// The canonical name of a gRPC code (`RESOURCE_EXHAUSTED`), as grpc-status documents them.
-pub fn code_name(code: tonic::Code) -> &'static str {
-    use tonic::Code;
-    match code {
-        Code::Ok => "OK",
-        Code::Cancelled => "CANCELLED",
-        Code::Unknown => "UNKNOWN",
-        Code::InvalidArgument => "INVALID_ARGUMENT",
-        Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
-        Code::NotFound => "NOT_FOUND",
-        Code::AlreadyExists => "ALREADY_EXISTS",
-        Code::PermissionDenied => "PERMISSION_DENIED",
-        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
-        Code::FailedPrecondition => "FAILED_PRECONDITION",
-        Code::Aborted => "ABORTED",
-        Code::OutOfRange => "OUT_OF_RANGE",
-        Code::Unimplemented => "UNIMPLEMENTED",
-        Code::Internal => "INTERNAL",
-        Code::Unavailable => "UNAVAILABLE",
-        Code::DataLoss => "DATA_LOSS",
-        Code::Unauthenticated => "UNAUTHENTICATED",
-    }
-}
+pub use kvmm_client::error::code_name;
 
 /// Whether failures with this code (by [`code_name`]) leave the run passing.
 pub fn is_allowed(code: &str) -> bool {
