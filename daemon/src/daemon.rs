@@ -28,7 +28,8 @@ use crate::migrate::tiering::{self, PageRef, Scratch, TierCounters};
 use crate::policy::live::LivePolicy;
 use crate::policy::mode::Tuning;
 use crate::policy::precision::Demotion;
-use crate::pool::Pool;
+use crate::pool::quarantine::Quarantine;
+use crate::pool::{Frame, Pool};
 use crate::server::conn::{ConnId, ConnInfo};
 use crate::session::page_table::Place;
 use crate::session::{Counters, Owner, PageTable, Priority, Quota, Registry, Session};
@@ -66,6 +67,9 @@ pub struct Core {
     /// Device frames reserved for flash pages being read back: in `pool`'s accounting, in no page
     /// table yet (see [`tiering::Reserved`]). Zero whenever no promotion from flash is under way.
     pub reserved: tiering::Reserved,
+    /// Device frames of destroyed sessions that their client still had pinned: zeroed, in `pool`'s
+    /// accounting, in no page table, freed when the pin goes ([`Quarantine`]).
+    pub quarantine: Quarantine,
 }
 
 /// The daemon: configuration, the locked core, and the shutdown flag.
@@ -197,7 +201,8 @@ pub struct Status {
     pub frames: u64,
     /// Sum over sessions of their page-table bytes: `used` minus `reserved.bytes`.
     pub session_bytes: u64,
-    /// Frames reserved for flash pages being read back (in `used` and `frames`, in no page table).
+    /// Frames in `used` and `frames` but in no page table: reserved for flash pages being read
+    /// back, and frames of destroyed sessions whose client still held a pin ([`Quarantine`]).
     pub reserved: tiering::Reserved,
     /// Live sessions.
     pub sessions: u32,
@@ -268,6 +273,7 @@ impl Daemon {
                 prefetch_queue: VecDeque::new(),
                 metrics,
                 reserved: tiering::Reserved::default(),
+                quarantine: Quarantine::default(),
             }),
             shutting_down: AtomicBool::new(false),
             draining: AtomicBool::new(false),
@@ -635,8 +641,9 @@ impl Daemon {
     /// Destroys every session attached through a connection that has closed.
     pub fn connection_closed(&self, conn: ConnId) {
         let mut core = self.core.lock();
+        let core = &mut *core;
         for id in core.sessions.ids_of_conn(conn) {
-            match destroy(&mut core, self.flash.as_ref(), id, TableStatus::Closed) {
+            match destroy(core, self.flash.as_ref(), id, TableStatus::Closed) {
                 Ok(w) => {
                     crate::limited!(
                         info,
@@ -648,6 +655,21 @@ impl Daemon {
                 }
                 Err(e) => tracing::error!(session = id, error = %e, "wiping the session of a closed connection failed"),
             }
+        }
+        // Its frames held after a wipe or detach too: nothing of that connection writes any more.
+        if let Err(e) = core.quarantine.release(&mut core.pool, Some(conn)) {
+            tracing::error!(conn = conn.0, error = %e, "freeing the held frames of a closed connection failed");
+        }
+    }
+
+    /// Frees the held frames of destroyed sessions whose client has let go of its pin (tier thread).
+    pub fn release_quarantined(&self) {
+        let mut core = self.core.lock();
+        let core = &mut *core;
+        match core.quarantine.release(&mut core.pool, None) {
+            Ok(0) => {}
+            Ok(freed) => tracing::debug!(freed, "held frames of destroyed sessions freed"),
+            Err(e) => tracing::error!(error = %e, "freeing held frames of destroyed sessions failed"),
         }
     }
 
@@ -977,7 +999,7 @@ impl Daemon {
             used: core.pool.used(),
             frames: core.pool.frame_count(),
             session_bytes: core.sessions.iter().map(|s| s.pages.bytes()).sum(),
-            reserved: core.reserved,
+            reserved: core.reserved.plus(core.quarantine.totals()),
             sessions: core.sessions.len() as u32,
             trust_domains: core.pool.arena_count() as u32,
             moves: core.moves,
@@ -1170,6 +1192,33 @@ fn destroy(core: &mut Core, flash: Option<&Mutex<FlashFile>>, id: u64, status: T
     for (layer, block, _) in s.pages.all() {
         s.table.entry_writer(layer, block)?.clear();
     }
+    // Dekker's other half (the pin/migrate protocol): a pin the client announced before it saw an
+    // entry cleared is visible after this fence. Those frames are zeroed now and held until the pin
+    // goes, so that a row write under way cannot land in another session's frame.
+    kvmm_shm::protocol::migrate_fence();
+    let pinned: Vec<(u32, u32, Frame)> = s
+        .pages
+        .all()
+        .filter_map(|(layer, block, page)| match page.place {
+            Place::Device(frame) => Some((layer, block, frame)),
+            _ => None,
+        })
+        .filter(|&(layer, block, _)| s.region.entry(layer, block).map_or(true, |e| e.pins() != 0))
+        .collect();
+    if !pinned.is_empty() {
+        let arena = core
+            .pool
+            .arena(s.owner.uid)
+            .ok_or_else(|| Error::FailedPrecondition(format!("uid {} has no arena", s.owner.uid)))?;
+        for &(_, _, frame) in &pinned {
+            arena.zero(frame)?;
+        }
+        let region = Arc::new(s.region);
+        for &(layer, block, frame) in &pinned {
+            core.quarantine.hold(s.owner.uid, frame, s.owner.conn, Arc::clone(&region), layer, block);
+        }
+        tracing::debug!(session = id, frames = pinned.len(), "pinned frames of a destroyed session held");
+    }
     let mut flash_slots = Vec::new();
     for place in s.pages.take_all() {
         match place {
@@ -1178,6 +1227,7 @@ fn destroy(core: &mut Core, flash: Option<&Mutex<FlashFile>>, id: u64, status: T
             Place::Flash(_) => report.flash += place.footprint(),
         }
         match place {
+            Place::Device(frame) if pinned.iter().any(|&(_, _, held)| held == frame) => {}
             Place::Device(frame) => core.pool.free_frame(s.owner.uid, frame)?,
             Place::Dram(slot) => {
                 if let Some(dram) = core.dram.as_mut() {

@@ -5,7 +5,7 @@
 //! over SCM_RIGHTS), [`pool`] (arenas, frames, accounting), [`session`] (registry, page tables),
 //! [`migrate`] (the page-move primitive, compaction, tiering), [`policy`] (sensors and modes),
 //! [`metrics`] (the Prometheus families), [`ratelog`] (rate limits of log lines clients can
-//! trigger), [`systemd`] (notifications, the watchdog's heartbeats), and [`daemon`] (the shared state and the operations the servers call). See
+//! trigger), [`malloc`] (the cap on glibc's malloc arenas), [`systemd`] (notifications, the watchdog's heartbeats), and [`daemon`] (the shared state and the operations the servers call). See
 //! ARCHITECTURE.md.
 
 pub mod config;
@@ -13,6 +13,7 @@ pub mod daemon;
 pub mod error;
 pub mod failpoint;
 pub mod fdpass;
+pub mod malloc;
 pub mod metrics;
 pub mod migrate;
 pub mod policy;

@@ -71,8 +71,10 @@ struct Cli {
 }
 
 fn main() -> ExitCode {
+    // Before any thread exists, so that none has taken an arena of its own yet.
+    let arenas = kvmm_daemon::malloc::cap_arenas();
     let cli = Cli::parse();
-    match run(cli) {
+    match run(cli, arenas) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvmmd: {e}");
@@ -81,7 +83,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> anyhow::Result<()> {
+fn run(cli: Cli, arenas: kvmm_daemon::malloc::ArenaCap) -> anyhow::Result<()> {
     // First, before anything else opens fds: the sockets systemd passed, if any.
     let passed = kvmm_shm::activation::take_listen_fds()?;
     let file = match &cli.config {
@@ -110,6 +112,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let mut config = file.resolve(overrides, &Environment::from_process()?)?;
     config.config_file = cli.config;
     init_logging(&config.log)?;
+    tracing::debug!(?arenas, "malloc arenas");
     let dir = RuntimeDir::acquire(&config.runtime_dir)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let daemon = Daemon::new(config)?;

@@ -126,3 +126,67 @@ fn a_wipe_during_attention_fails_the_call_in_flight_and_never_returns_what_it_re
     assert_eq!(daemon.device_used(), 0, "{status:?}");
     assert!(daemon.stop().success());
 }
+
+/// The frame of a page a client had pinned when its session was wiped (the client was writing K/V
+/// rows into its tail page, say) used to go back to the allocator at once, zeroed; the client's
+/// write still under way then landed in a frame handed to the next session of the same uid. Such
+/// a frame is now zeroed and held, counted among the reserved frames, until the client unpins
+/// (then freed and zeroed again) or its connection closes.
+#[test]
+fn a_frame_pinned_during_a_wipe_is_not_handed_out_until_its_client_lets_go() {
+    let flash = tempfile::tempdir().unwrap();
+    let daemon = start(flash.path());
+    let pinned_line = |c: &mut kvmm_tests::Worker| {
+        let f = fields(&c.expect_line("pinned"));
+        let parse = |k: &str| f[k].parse::<u64>().unwrap();
+        (parse("session"), parse("offset"), parse("len"))
+    };
+    let mut holder = spawn_client("hold-pin", &daemon, &["--layers", "1"]);
+    let (session, offset, len) = pinned_line(&mut holder);
+    let w = daemon.wipe_session(session).unwrap();
+    assert!(w.device_bytes >= len, "{w:?}");
+
+    let (s, _) = daemon.wait_status(std::time::Duration::from_secs(5), |s| s.sessions == 0);
+    let device = &s.tiers[0];
+    assert_eq!(device.reserved_frames, 1, "the pinned frame is held: {s:?}");
+    assert_eq!(device.used_bytes, device.reserved_bytes, "and nothing else is in use: {s:?}");
+    assert_eq!(s.session_bytes, 0, "{s:?}");
+
+    // Another session of the same uid gets another frame while the first is held.
+    let mut next = spawn_client("hold-pin", &daemon, &["--layers", "1"]);
+    let (_, next_offset, _) = pinned_line(&mut next);
+    assert_ne!(next_offset, offset, "the held frame was handed to the next session");
+
+    // The wiped client's late write stays in the held frame, which is zeroed again when freed.
+    holder.send("write");
+    holder.expect_line("written");
+    let pattern = vec![0xABu8; len as usize];
+    let arena_has_pattern = || {
+        daemon
+            .memfds()
+            .iter()
+            .any(|(name, b)| name.contains("kvmm-arena") && b.windows(len as usize).any(|w| w == pattern))
+    };
+    assert!(arena_has_pattern(), "the scan finds the late write in the held frame");
+    holder.send("unpin");
+    holder.expect_line("unpinned");
+    let (s, waited) = daemon.wait_status(std::time::Duration::from_secs(5), |s| s.tiers[0].reserved_frames == 0);
+    println!("the held frame was freed {waited:?} after the unpin");
+    assert_eq!(s.tiers[0].used_bytes, s.session_bytes, "only the next session's frame is in use: {s:?}");
+    assert!(!arena_has_pattern(), "the late write outlived the frame's release");
+
+    // A client killed inside its pinned access never unpins: its connection closing frees the frame.
+    assert_eq!(daemon.status().sessions, 1);
+    let listed =
+        daemon.admin(async |mut a| a.list_sessions(kvmm_proto::v1::ListSessionsRequest {}).await.unwrap().into_inner());
+    let id = listed.sessions[0].session_id;
+    daemon.wipe_session(id).unwrap();
+    let (s, _) = daemon.wait_status(std::time::Duration::from_secs(5), |s| s.sessions == 0);
+    assert_eq!(s.tiers[0].reserved_frames, 1, "{s:?}");
+    next.kill9();
+    let (s, waited) = daemon.wait_status(std::time::Duration::from_secs(5), |s| s.tiers[0].used_bytes == 0);
+    println!("the killed client's held frame was freed {waited:?} after the kill");
+    assert_eq!((s.tiers[0].reserved_frames, s.tiers[0].frames), (0, 0), "{s:?}");
+    holder.send("exit");
+    assert!(daemon.stop().success());
+}

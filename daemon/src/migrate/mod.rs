@@ -68,6 +68,7 @@ pub fn tier_task(daemon: Arc<Daemon>) {
     let mut draining = false;
     // When free memory was last given back under pressure.
     let mut last_release: Option<Instant> = None;
+    let mut last_trim = Instant::now();
     while !daemon.is_shutting_down() {
         daemon.beat(crate::systemd::Loop::Tiers);
         {
@@ -100,6 +101,11 @@ pub fn tier_task(daemon: Arc<Daemon>) {
             plan::plan(view, &tuning, draining, allowed)
         };
         apply_budgets(&daemon, &plan, &mut last_release, now);
+        daemon.release_quarantined();
+        if now.duration_since(last_trim) >= crate::malloc::TRIM_INTERVAL {
+            crate::malloc::trim();
+            last_trim = now;
+        }
         let queued: Vec<tiering::PageRef> = daemon.core.lock().prefetch_queue.drain(..).collect();
         let mut sessions: Vec<u64> = queued.iter().map(|r| r.session).collect();
         sessions.dedup();

@@ -100,7 +100,8 @@ pub struct Reserved {
 }
 
 impl Reserved {
-    fn add(&mut self, frame: Frame) {
+    /// Counts one more frame.
+    pub(crate) fn add(&mut self, frame: Frame) {
         self.frames += 1;
         self.bytes += frame.footprint();
     }
@@ -109,6 +110,11 @@ impl Reserved {
         debug_assert!(self.frames > 0 && self.bytes >= frame.footprint(), "a frame released twice: {self:?}");
         self.frames = self.frames.saturating_sub(1);
         self.bytes = self.bytes.saturating_sub(frame.footprint());
+    }
+
+    /// Both counts together.
+    pub fn plus(self, other: Reserved) -> Reserved {
+        Reserved { frames: self.frames + other.frames, bytes: self.bytes + other.bytes }
     }
 }
 

@@ -151,8 +151,14 @@ impl Arena {
 
     /// Zeroes a frame and returns it to the allocator.
     pub fn free(&mut self, frame: Frame) -> Result<()> {
-        self.map.zero(frame.offset as usize, frame.footprint() as usize)?;
+        self.zero(frame)?;
         self.frames.free(frame.offset, frame.len);
+        Ok(())
+    }
+
+    /// Zeroes a frame's whole footprint, keeping it allocated.
+    pub fn zero(&self, frame: Frame) -> Result<()> {
+        self.map.zero(frame.offset as usize, frame.footprint() as usize)?;
         Ok(())
     }
 

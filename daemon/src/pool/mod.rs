@@ -6,6 +6,7 @@
 //! as large as the whole budget, but only frames inside the budget are ever handed out.
 
 pub mod arena;
+pub mod quarantine;
 
 use std::collections::HashMap;
 

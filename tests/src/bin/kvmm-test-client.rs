@@ -605,6 +605,58 @@ fn raw_attach(a: &Args) {
     }
 }
 
+/// Attaches with the raw RPCs, maps the session's memory itself, extends by one block and pins
+/// page (0, 0) the way the client library does, then prints `pinned session=N offset=O len=L` and
+/// obeys stdin: `write` fills the pinned frame with 0xAB (a row write still under way after a
+/// wipe), `check` prints whether every byte of the frame is zero, `unpin` releases the pin, and
+/// `exit` (or EOF) ends. Each command answers with one line.
+fn hold_pin(a: &Args) {
+    use kvmm_shm::{Access, ClientRegion, Mapping, Memfd, SessionTable};
+    let client = Client::connect(a.socket()).unwrap_or_else(|e| die(e));
+    let g = a.geometry();
+    let mut rpc = client.rpc();
+    let r = client
+        .block_on(rpc.attach(pb::AttachRequest {
+            geometry: Some(kvmm_client::session::geometry_to_pb(&g)),
+            model_id: "hold-pin".into(),
+            ..Default::default()
+        }))
+        .unwrap_or_else(|e| die(e.into()))
+        .into_inner();
+    let fds = fd_request(&a.socket().with_file_name("kvmm-fd.sock"), r.session_id, &r.fd_token).unwrap();
+    let mut fds = fds.into_iter().map(|fd| Memfd::from_fd(fd).unwrap());
+    let (arena, table, region) = (fds.next().unwrap(), fds.next().unwrap(), fds.next().unwrap());
+    let arena = Mapping::map(&arena, Access::ReadWrite).unwrap();
+    let table = SessionTable::open(table).unwrap();
+    let region = ClientRegion::open(region, &g).unwrap();
+    client
+        .block_on(rpc.extend(pb::ExtendRequest { session_id: r.session_id, blocks: 1 }))
+        .unwrap_or_else(|e| die(e.into()));
+    let entry = region.entry(0, 0).unwrap();
+    assert!(entry.pin(table.entry(0, 0).unwrap()).is_pinned(), "a fresh page pins");
+    let loc = table.entry(0, 0).unwrap().location();
+    let (offset, len) = (loc.offset as usize, loc.len as usize);
+    println!("pinned session={} offset={offset} len={len}", r.session_id);
+    for l in stdin_lines() {
+        match l.as_str() {
+            "write" => {
+                arena.write_at(offset, &vec![0xAB; len]).unwrap();
+                println!("written");
+            }
+            "check" => {
+                let mut bytes = vec![0u8; len];
+                arena.read_at(offset, &mut bytes).unwrap();
+                println!("zero={}", bytes.iter().all(|&b| b == 0));
+            }
+            "unpin" => {
+                entry.unpin();
+                println!("unpinned");
+            }
+            _ => break,
+        }
+    }
+}
+
 fn main() {
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let (mode, rest) = argv.split_first().expect("usage: kvmm-test-client MODE [--key value]...");
@@ -613,6 +665,7 @@ fn main() {
         "run" => run(&a, false),
         "append-forever" => run(&a, true),
         "raw-attach" => raw_attach(&a),
+        "hold-pin" => hold_pin(&a),
         "fd-request" => {
             let token = from_hex(a.0.get("token").expect("--token"));
             match fd_request(&a.socket().with_file_name("kvmm-fd.sock"), a.get("session", 0), &token) {
