@@ -298,6 +298,44 @@ pub struct Tiers {
     pub low_watermark: u8,
 }
 
+impl Resolved {
+    /// The values kvmmd runs with, one `key = value` line each after a first line that says where
+    /// they came from (`kvmmd --check-config`).
+    pub fn summary(&self) -> String {
+        let size = |bytes: u64| format!("{bytes} bytes ({:.1} MiB)", bytes as f64 / f64::from(1 << 20));
+        let t = &self.tiers;
+        let p = &self.policy;
+        let mut lines = vec![
+            match &self.config_file {
+                Some(path) => format!("configuration OK: {} with the command line's values over it", path.display()),
+                None => "configuration OK: embedded defaults with the command line's values over them".to_owned(),
+            },
+            format!("runtime_dir = {}", self.runtime_dir.display()),
+            format!("device_budget = {}", size(self.device_budget)),
+            format!("admin_group = {}", self.admin_group.as_deref().unwrap_or("(none: root only)")),
+            format!("fd_token_ttl_ms = {}", self.fd_token_ttl.as_millis()),
+            format!("compaction_interval_ms = {}", self.compaction_interval.map_or(0, |d| d.as_millis())),
+            format!("log = {}", self.log),
+            format!("tiers.dram_budget = {}", size(t.dram_budget)),
+            format!("tiers.flash_budget = {}", size(t.flash_budget)),
+        ];
+        if t.flash_budget > 0 {
+            lines.push(format!("tiers.flash_file = {}", t.flash_path.display()));
+            lines.push(format!("tiers.io_engine = {}", t.io_engine));
+        }
+        lines.extend([
+            format!("tiers.seal_dram = {}", t.seal_dram),
+            format!("tiers.demote_format = {}", t.demote_format.map_or("none".to_owned(), |f| f.to_string())),
+            format!("tiers.watermarks = {}% high, {}% low", t.high_watermark, t.low_watermark),
+            format!("policy.mode = {}", p.modes.pinned.map_or("auto".to_owned(), |m| m.to_string())),
+            format!("policy.host_root = {}", p.host_root.display()),
+            format!("policy.interval_ms = {}", p.interval.as_millis()),
+            format!("policy.adaptive_precision = {}", p.precision.adaptive),
+        ]);
+        lines.iter().map(|l| format!("{l}\n")).collect()
+    }
+}
+
 impl Tiers {
     /// Whether any tier below the device exists.
     pub fn any(&self) -> bool {

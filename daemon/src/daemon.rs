@@ -592,7 +592,7 @@ impl Daemon {
     pub fn detach(&self, caller: ConnInfo, session_id: u64) -> Result<u64> {
         let mut core = self.core.lock();
         core.sessions.get(session_id, caller.uid, caller.id)?;
-        let bytes = destroy(&mut core, self.flash.as_ref(), session_id, TableStatus::Closed)?.total();
+        let bytes = destroy(&mut core, self.flash.as_ref(), session_id, TableStatus::Closed, false)?.total();
         crate::limited!(info, session = session_id, bytes, "detached");
         Ok(bytes)
     }
@@ -621,7 +621,7 @@ impl Daemon {
         let mut report = WipeReport::default();
         for id in ids {
             let Some(uid) = core.sessions.get_unchecked(id).map(|s| s.owner.uid) else { continue };
-            let wiped = destroy(&mut core, self.flash.as_ref(), id, TableStatus::Wiped)?;
+            let wiped = destroy(&mut core, self.flash.as_ref(), id, TableStatus::Wiped, !as_owner)?;
             core.sessions.remember_wiped(id, uid);
             crate::limited!(
                 warn,
@@ -643,7 +643,7 @@ impl Daemon {
         let mut core = self.core.lock();
         let core = &mut *core;
         for id in core.sessions.ids_of_conn(conn) {
-            match destroy(core, self.flash.as_ref(), id, TableStatus::Closed) {
+            match destroy(core, self.flash.as_ref(), id, TableStatus::Closed, false) {
                 Ok(w) => {
                     crate::limited!(
                         info,
@@ -678,7 +678,7 @@ impl Daemon {
         let mut core = self.core.lock();
         let mut total = 0;
         for id in core.sessions.ids() {
-            match destroy(&mut core, self.flash.as_ref(), id, TableStatus::Closed) {
+            match destroy(&mut core, self.flash.as_ref(), id, TableStatus::Closed, false) {
                 Ok(w) => total += w.total(),
                 Err(e) => tracing::error!(session = id, error = %e, "wiping a session at shutdown failed"),
             }
@@ -1178,7 +1178,16 @@ impl WipeReport {
 /// (writes the compiler cannot drop), punches its flash slots out, and drops its key (zeroized
 /// with its last holder). Pins do not block this: the client is gone, asked for it, or an operator
 /// did. Returns the bytes wiped per tier.
-fn destroy(core: &mut Core, flash: Option<&Mutex<FlashFile>>, id: u64, status: TableStatus) -> Result<WipeReport> {
+/// Destroys session `id`: its table says `status`, its pages are freed in every tier. With
+/// `hold_pinned` (an administrator's wipe, which can come while the client is running), device
+/// frames the client still pins are zeroed and held in the quarantine instead of freed.
+fn destroy(
+    core: &mut Core,
+    flash: Option<&Mutex<FlashFile>>,
+    id: u64,
+    status: TableStatus,
+    hold_pinned: bool,
+) -> Result<WipeReport> {
     let Some(mut s) = core.sessions.remove(id) else { return Ok(WipeReport::default()) };
     core.tokens.remove(id);
     let mut report = WipeReport { sessions: 1, ..WipeReport::default() };
@@ -1194,11 +1203,14 @@ fn destroy(core: &mut Core, flash: Option<&Mutex<FlashFile>>, id: u64, status: T
     }
     // Dekker's other half (the pin/migrate protocol): a pin the client announced before it saw an
     // entry cleared is visible after this fence. Those frames are zeroed now and held until the pin
-    // goes, so that a row write under way cannot land in another session's frame.
+    // goes, so that a row write under way cannot land in another session's frame. (A detach or an
+    // owner's own wipe needs none of this: the client library gives the session up, or holds it
+    // exclusively, for those calls; and a closed connection frees what it held anyway.)
     kvmm_shm::protocol::migrate_fence();
     let pinned: Vec<(u32, u32, Frame)> = s
         .pages
         .all()
+        .filter(|_| hold_pinned)
         .filter_map(|(layer, block, page)| match page.place {
             Place::Device(frame) => Some((layer, block, frame)),
             _ => None,

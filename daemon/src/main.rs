@@ -68,6 +68,10 @@ struct Cli {
     /// Test mode: a watched loop (tiers or policy) stops for good MS milliseconds after start.
     #[arg(long, hide = true, value_name = "LOOP:MS")]
     debug_hang: Option<String>,
+    /// Check the configuration (file, flags and environment together), print the values kvmmd
+    /// would run with and exit: 0 when it is valid, 1 with the reason when not. Touches nothing.
+    #[arg(long)]
+    check_config: bool,
 }
 
 fn main() -> ExitCode {
@@ -111,6 +115,10 @@ fn run(cli: Cli, arenas: kvmm_daemon::malloc::ArenaCap) -> anyhow::Result<()> {
     };
     let mut config = file.resolve(overrides, &Environment::from_process()?)?;
     config.config_file = cli.config;
+    if cli.check_config {
+        print!("{}", config.summary());
+        return Ok(());
+    }
     init_logging(&config.log)?;
     tracing::debug!(?arenas, "malloc arenas");
     let dir = RuntimeDir::acquire(&config.runtime_dir)?;

@@ -19,10 +19,16 @@ pub const ARENA_MAX: i32 = 2;
 /// chunks of every arena under their locks: well under a millisecond at kvmmd's heap sizes.
 pub const TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// Allocations from this size up get their own mapping, given back to the kernel when freed.
+/// Setting it fixes it: glibc otherwise raises the threshold to the size of each mapped block
+/// freed (up to 32 MiB), after which blocks of that size (a flash batch's staging buffers) come
+/// from the heap arenas and their pages stay there.
+pub const MMAP_THRESHOLD: i32 = 256 << 10;
+
 /// What [`cap_arenas`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ArenaCap {
-    /// Capped at [`ARENA_MAX`].
+    /// Capped at [`ARENA_MAX`], mapping threshold fixed at [`MMAP_THRESHOLD`].
     Capped,
     /// `MALLOC_ARENA_MAX` was set; glibc follows it.
     FromEnvironment(String),
@@ -30,8 +36,10 @@ pub enum ArenaCap {
     Unchanged,
 }
 
-/// Caps glibc's malloc arenas at [`ARENA_MAX`] unless `MALLOC_ARENA_MAX` is set. Call it first
-/// thing in `main`, before any thread is started: arenas already handed out stay.
+/// Caps glibc's malloc arenas at [`ARENA_MAX`] and fixes the mapping threshold at
+/// [`MMAP_THRESHOLD`], unless `MALLOC_ARENA_MAX` is set (then glibc's defaults and environment
+/// hold). Call it first thing in `main`, before any thread is started: arenas already handed out
+/// stay.
 pub fn cap_arenas() -> ArenaCap {
     if let Some(set) = std::env::var_os("MALLOC_ARENA_MAX") {
         return ArenaCap::FromEnvironment(set.to_string_lossy().into_owned());
@@ -43,8 +51,10 @@ pub fn cap_arenas() -> ArenaCap {
 fn set_arena_max(arenas: i32) -> ArenaCap {
     // SAFETY: mallopt only stores a tuning value in glibc's malloc parameters (under its own
     // lock); it takes no pointers and is sound to call at any time.
-    let ok = unsafe { libc::mallopt(libc::M_ARENA_MAX, arenas) };
-    if ok == 1 { ArenaCap::Capped } else { ArenaCap::Unchanged }
+    let capped = unsafe { libc::mallopt(libc::M_ARENA_MAX, arenas) } == 1;
+    // SAFETY: as above; a tuning value, no pointers.
+    let fixed = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) } == 1;
+    if capped && fixed { ArenaCap::Capped } else { ArenaCap::Unchanged }
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]

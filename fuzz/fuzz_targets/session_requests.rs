@@ -19,8 +19,9 @@
 //! - a session id (or uid) below 8 in a decoded message is replaced by that entry of the sessions
 //!   (callers) of this input, so that calls reach live sessions; larger ids stay as decoded.
 //!
-//! After each input every session is wiped, a drain is ended and the starting policy put back, so
-//! inputs do not depend on each other.
+//! After each input every connection is closed (which destroys its sessions and frees frames held
+//! for pins of wiped ones), a drain is ended and the starting policy put back, so inputs do not
+//! depend on each other.
 
 #![no_main]
 
@@ -244,11 +245,16 @@ fn tracing() -> bool {
     *TRACE.get_or_init(|| std::env::var_os("KVMM_FUZZ_TRACE").is_some())
 }
 
-/// What must hold between calls: the sessions' pages account for every device byte in use (no
-/// page is mid-move, since nothing else runs), and no tier holds more than its budget.
+/// What must hold between calls: the sessions' pages and the frames held for pins of wiped
+/// sessions account for every device byte in use (no page is mid-move, since nothing else runs),
+/// and no tier holds more than its budget.
 fn check_accounting(daemon: &Daemon) {
     let s = daemon.status();
-    assert_eq!(s.session_bytes, s.used, "the sessions' device pages are the pool's used bytes: {s:?}");
+    assert_eq!(
+        s.session_bytes + s.reserved.bytes,
+        s.used,
+        "the sessions' device pages and the held frames are the pool's used bytes: {s:?}"
+    );
     assert!(s.used <= s.budget, "the device is within its budget: {s:?}");
     for tier in [s.dram, s.flash].into_iter().flatten() {
         assert!(tier.used <= tier.budget, "a tier is within its budget: {tier:?}");
@@ -276,6 +282,11 @@ fuzz_target!(|data: &[u8]| {
         check_accounting(&h.daemon);
     }
 
+    // Every connection closes, as when the fuzzed clients exit: their sessions go, and so do frames
+    // held because a wiped session's region claimed pins.
+    for who in 0..CALLERS.len() {
+        h.daemon.connection_closed(caller(who as u8).id);
+    }
     h.daemon.wipe_all();
     let s = h.daemon.status();
     assert!(

@@ -155,3 +155,45 @@ fn a_signal_right_after_the_sockets_appear_is_handled_not_fatal() {
         }
     }
 }
+
+#[test]
+fn check_config_prints_the_values_it_would_run_with_and_touches_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = dir.path().join("run");
+    let config = dir.path().join("kvmmd.toml");
+    std::fs::write(&config, "device_budget = \"64MiB\"\n[tiers]\ndram_budget = \"8MiB\"\ndemote_format = \"q4\"\n")
+        .unwrap();
+    let out = kvmmd_command()
+        .args(["--check-config", "--config"])
+        .arg(&config)
+        .arg("--runtime-dir")
+        .arg(&runtime)
+        .args(["--mode", "powersave"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.starts_with("configuration OK: ") && text.contains("kvmmd.toml"), "{text}");
+    for line in [
+        "device_budget = 67108864 bytes",
+        "tiers.dram_budget = 8388608 bytes",
+        "tiers.demote_format = q4",
+        "policy.mode = powersave",
+    ] {
+        assert!(text.lines().any(|l| l.starts_with(line)), "no {line:?} in:\n{text}");
+    }
+    assert!(!runtime.exists(), "--check-config created the runtime directory");
+
+    // A flash tier without a DRAM tier is refused with the reason, and exit status 1.
+    std::fs::write(&config, "[tiers]\ndram_budget = 0\nflash_budget = \"16MiB\"\n").unwrap();
+    let out = kvmmd_command()
+        .args(["--check-config", "--config"])
+        .arg(&config)
+        .arg("--runtime-dir")
+        .arg(&runtime)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("a flash tier needs a DRAM tier") && out.stdout.is_empty(), "{err}");
+}

@@ -1,7 +1,7 @@
-//! Device frames of destroyed sessions that their client still had pinned.
+//! Device frames of wiped sessions that their client still had pinned.
 //!
-//! Pins do not block a wipe (or a detach): the session is destroyed while its client may be in the
-//! middle of a pinned access, reading pages for attention or writing new K/V rows into its tail
+//! Pins do not block an administrator's wipe: the session is destroyed while its client may be in
+//! the middle of a pinned access, reading pages for attention or writing new K/V rows into its tail
 //! page. Such a frame is zeroed at once, like every frame of the session, but it is not given back
 //! to the allocator yet: a row write still under way would otherwise land in a frame just handed
 //! to another session of the same uid. It waits here, in the pool's `used` and `frames` and in no
