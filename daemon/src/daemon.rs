@@ -656,7 +656,8 @@ impl Daemon {
                 Err(e) => tracing::error!(session = id, error = %e, "wiping the session of a closed connection failed"),
             }
         }
-        // Its frames held after a wipe or detach too: nothing of that connection writes any more.
+        // And the frames held after an administrator's wipe of its sessions: nothing of that
+        // connection writes any more.
         if let Err(e) = core.quarantine.release(&mut core.pool, Some(conn)) {
             tracing::error!(conn = conn.0, error = %e, "freeing the held frames of a closed connection failed");
         }
@@ -1177,10 +1178,9 @@ impl WipeReport {
 /// Removes a session: marks its shared table `status`, zeroes and frees its frames and DRAM slots
 /// (writes the compiler cannot drop), punches its flash slots out, and drops its key (zeroized
 /// with its last holder). Pins do not block this: the client is gone, asked for it, or an operator
-/// did. Returns the bytes wiped per tier.
-/// Destroys session `id`: its table says `status`, its pages are freed in every tier. With
-/// `hold_pinned` (an administrator's wipe, which can come while the client is running), device
-/// frames the client still pins are zeroed and held in the quarantine instead of freed.
+/// did. With `hold_pinned` (an administrator's wipe, which can come while the client is running),
+/// device frames the client still pins are zeroed and held in the quarantine instead of freed.
+/// Returns the bytes wiped per tier.
 fn destroy(
     core: &mut Core,
     flash: Option<&Mutex<FlashFile>>,
