@@ -1206,17 +1206,19 @@ fn destroy(
     // goes, so that a row write under way cannot land in another session's frame. (A detach or an
     // owner's own wipe needs none of this: the client library gives the session up, or holds it
     // exclusively, for those calls; and a closed connection frees what it held anyway.)
-    kvmm_shm::protocol::migrate_fence();
-    let pinned: Vec<(u32, u32, Frame)> = s
-        .pages
-        .all()
-        .filter(|_| hold_pinned)
-        .filter_map(|(layer, block, page)| match page.place {
-            Place::Device(frame) => Some((layer, block, frame)),
-            _ => None,
-        })
-        .filter(|&(layer, block, _)| s.region.entry(layer, block).map_or(true, |e| e.pins() != 0))
-        .collect();
+    let mut pinned: Vec<(u32, u32, Frame)> = Vec::new();
+    if hold_pinned {
+        kvmm_shm::protocol::migrate_fence();
+        pinned = s
+            .pages
+            .all()
+            .filter_map(|(layer, block, page)| match page.place {
+                Place::Device(frame) => Some((layer, block, frame)),
+                _ => None,
+            })
+            .filter(|&(layer, block, _)| s.region.entry(layer, block).map_or(true, |e| e.pins() != 0))
+            .collect();
+    }
     if !pinned.is_empty() {
         let arena = core
             .pool

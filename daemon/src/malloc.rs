@@ -44,39 +44,35 @@ pub fn cap_arenas() -> ArenaCap {
     if let Some(set) = std::env::var_os("MALLOC_ARENA_MAX") {
         return ArenaCap::FromEnvironment(set.to_string_lossy().into_owned());
     }
-    set_arena_max(ARENA_MAX)
+    set_limits()
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn set_arena_max(arenas: i32) -> ArenaCap {
+fn set_limits() -> ArenaCap {
     // SAFETY: mallopt only stores a tuning value in glibc's malloc parameters (under its own
     // lock); it takes no pointers and is sound to call at any time.
-    let capped = unsafe { libc::mallopt(libc::M_ARENA_MAX, arenas) } == 1;
+    let capped = unsafe { libc::mallopt(libc::M_ARENA_MAX, ARENA_MAX) } == 1;
     // SAFETY: as above; a tuning value, no pointers.
     let fixed = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) } == 1;
     if capped && fixed { ArenaCap::Capped } else { ArenaCap::Unchanged }
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn set_arena_max(_arenas: i32) -> ArenaCap {
+fn set_limits() -> ArenaCap {
     ArenaCap::Unchanged
 }
 
 /// Gives the free pages of every malloc arena back to the kernel; returns whether any memory was
 /// released. A no-op (false) off glibc.
-pub fn trim() -> bool {
-    trim_heap()
-}
-
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn trim_heap() -> bool {
+pub fn trim() -> bool {
     // SAFETY: malloc_trim takes no pointers; it only walks glibc's own free lists under the
     // arenas' locks and may be called from any thread at any time.
     unsafe { libc::malloc_trim(0) == 1 }
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn trim_heap() -> bool {
+pub fn trim() -> bool {
     false
 }
 

@@ -60,11 +60,6 @@ impl Quarantine {
         r
     }
 
-    /// Whether nothing is held.
-    pub fn is_empty(&self) -> bool {
-        self.held.is_empty()
-    }
-
     /// Frees (zeroing) every held frame whose pin is gone, and every frame of a session attached
     /// through `closed`, whatever its pin count says (a client killed inside a pinned access never
     /// unpins). Returns how many were freed.

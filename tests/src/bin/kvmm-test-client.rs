@@ -578,20 +578,24 @@ fn inode(fd: &impl AsFd) -> u64 {
     rustix::fs::fstat(fd).unwrap().st_ino
 }
 
-fn raw_attach(a: &Args) {
-    let client = Client::connect(a.socket()).unwrap_or_else(|e| die(e));
-    let g = a.geometry();
+/// Attach with the raw RPC: `--geometry` flags, `--quota-tokens`, `--evict`.
+fn attach_rpc(client: &Client, a: &Args, model_id: &str) -> pb::AttachResponse {
     let mut rpc = client.rpc();
-    let r = client
+    client
         .block_on(rpc.attach(pb::AttachRequest {
-            geometry: Some(kvmm_client::session::geometry_to_pb(&g)),
-            model_id: "raw".into(),
+            geometry: Some(kvmm_client::session::geometry_to_pb(&a.geometry())),
+            model_id: model_id.into(),
             priority: 0,
             quota_tokens: a.get("quota-tokens", 0),
             evict: a.flag("evict"),
         }))
         .unwrap_or_else(|e| die(e.into()))
-        .into_inner();
+        .into_inner()
+}
+
+fn raw_attach(a: &Args) {
+    let client = Client::connect(a.socket()).unwrap_or_else(|e| die(e));
+    let r = attach_rpc(&client, a, "raw");
     let mut line = format!("attached session={} token={}", r.session_id, to_hex(&r.fd_token));
     if a.flag("fetch") {
         let fds = fd_request(&a.socket().with_file_name("kvmm-fd.sock"), r.session_id, &r.fd_token).unwrap();
@@ -608,21 +612,12 @@ fn raw_attach(a: &Args) {
 /// Attaches with the raw RPCs, maps the session's memory itself, extends by one block and pins
 /// page (0, 0) the way the client library does, then prints `pinned session=N offset=O len=L` and
 /// obeys stdin: `write` fills the pinned frame with 0xAB (a row write still under way after a
-/// wipe), `check` prints whether every byte of the frame is zero, `unpin` releases the pin, and
-/// `exit` (or EOF) ends. Each command answers with one line.
+/// wipe), `unpin` releases the pin, and `exit` (or EOF) ends. Each command answers with one line.
 fn hold_pin(a: &Args) {
     use kvmm_shm::{Access, ClientRegion, Mapping, Memfd, SessionTable};
     let client = Client::connect(a.socket()).unwrap_or_else(|e| die(e));
     let g = a.geometry();
-    let mut rpc = client.rpc();
-    let r = client
-        .block_on(rpc.attach(pb::AttachRequest {
-            geometry: Some(kvmm_client::session::geometry_to_pb(&g)),
-            model_id: "hold-pin".into(),
-            ..Default::default()
-        }))
-        .unwrap_or_else(|e| die(e.into()))
-        .into_inner();
+    let r = attach_rpc(&client, a, "hold-pin");
     let fds = fd_request(&a.socket().with_file_name("kvmm-fd.sock"), r.session_id, &r.fd_token).unwrap();
     let mut fds = fds.into_iter().map(|fd| Memfd::from_fd(fd).unwrap());
     let (arena, table, region) = (fds.next().unwrap(), fds.next().unwrap(), fds.next().unwrap());
@@ -630,7 +625,7 @@ fn hold_pin(a: &Args) {
     let table = SessionTable::open(table).unwrap();
     let region = ClientRegion::open(region, &g).unwrap();
     client
-        .block_on(rpc.extend(pb::ExtendRequest { session_id: r.session_id, blocks: 1 }))
+        .block_on(client.rpc().extend(pb::ExtendRequest { session_id: r.session_id, blocks: 1 }))
         .unwrap_or_else(|e| die(e.into()));
     let entry = region.entry(0, 0).unwrap();
     assert!(entry.pin(table.entry(0, 0).unwrap()).is_pinned(), "a fresh page pins");
@@ -642,11 +637,6 @@ fn hold_pin(a: &Args) {
             "write" => {
                 arena.write_at(offset, &vec![0xAB; len]).unwrap();
                 println!("written");
-            }
-            "check" => {
-                let mut bytes = vec![0u8; len];
-                arena.read_at(offset, &mut bytes).unwrap();
-                println!("zero={}", bytes.iter().all(|&b| b == 0));
             }
             "unpin" => {
                 entry.unpin();
