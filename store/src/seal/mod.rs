@@ -405,7 +405,8 @@ mod tests {
 
     #[test]
     fn pages_of_every_size_round_trip() -> Result<(), SealError> {
-        let key = key();
+        // A fixed key: with a random one a 1-byte ciphertext equals its plaintext once in 256 runs.
+        let key = SessionKey::from_bytes_for_test(std::array::from_fn(|i| (i as u8).wrapping_mul(7)))?;
         let mut counters = SlotCounters::new(TIER_DRAM, 8);
         for len in [0, 1, 4096, 25408, 262144] {
             let nonce = counters.next(1)?;
