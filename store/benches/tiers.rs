@@ -6,7 +6,8 @@
 //!   1 MiB requests with `run_all`.
 //! - **demote**: what the daemon's default ladder does to a batch of f16 pages: quantize each to q8
 //!   (`kvmm_kernels::quantize`), then `FlashFile::put` the q8 pages; throughput counted in f16 bytes
-//!   and compared with the plain write of the f16 bytes (the pages as they are).
+//!   and compared with the plain write of the f16 bytes (the pages as they are). The quantize step
+//!   alone is timed too and printed to stderr, to show how the arm's time splits.
 //! - **read**: `FlashFile::get` of the batch (read, authenticate and decrypt, copy into each page's
 //!   buffer) vs reading the same bytes with `run_all`.
 //! - **get latency** of 1 page and of 32 adjacent pages (p50, p99 of single calls).
@@ -101,6 +102,7 @@ fn main() {
             let pages: Vec<Vec<u8>> = (0..pages_n).map(|i| f16_page(shape, i)).collect();
             let mut q8_pages: Vec<Vec<u8>> = vec![vec![0u8; shape.page_bytes(Format::Q8)]; pages_n];
             let mut demote_w = Vec::new();
+            let mut quantize_w = Vec::new();
             let ids: Vec<PageId> =
                 (0..pages_n as u32).map(|b| PageId { session: 1, layer: b % 30, block: b }).collect();
             let total = pages_n * FlashFile::extent_for(page_len) as usize;
@@ -123,6 +125,7 @@ fn main() {
                 for (q8, page) in q8_pages.iter_mut().zip(&pages) {
                     quantize(shape, Format::F16, page, shape.block_tokens, Format::Q8, q8).expect("q8");
                 }
+                quantize_w.push(t.elapsed());
                 let writes: Vec<PageWrite<'_>> =
                     q8_pages.iter().zip(&ids).map(|(b, &page)| PageWrite { key: Some(&key), page, bytes: b }).collect();
                 let demoted: Vec<FlashSlot> = file.put(&writes).into_iter().map(|r| r.expect("flash write")).collect();
@@ -164,6 +167,11 @@ fn main() {
             let write_ratio = paired_ratio(total, &sealed_w, plain_bytes, &plain_w);
             let demote_ratio = paired_ratio(total, &demote_w, plain_bytes, &plain_w);
             let demote_gbps = gbps(total, median(demote_w));
+            eprintln!(
+                "{} {page_len}: quantize f16 -> q8 alone {:.2} GB/s of f16",
+                engine.kind(),
+                gbps(total, median(quantize_w))
+            );
             let read_ratio = paired_ratio(total, &sealed_r, plain_bytes, &plain_r);
             let (sw, pw, sr, pr) = (median(sealed_w), median(plain_w), median(sealed_r), median(plain_r));
             let (swg, pwg, srg, prg) = (gbps(total, sw), gbps(plain_bytes, pw), gbps(total, sr), gbps(plain_bytes, pr));

@@ -1,10 +1,10 @@
 //! [`SessionKey`]: one session's AES-256-GCM key, living only in locked memory.
 //!
 //! [`SessionKey::generate`] reads 32 random bytes from the kernel (`getrandom(2)`) straight into a
-//! [`LockedBox`], builds the `Aes256Gcm` cipher (its AES key schedule and GHASH key) inside a second
-//! `LockedBox`, and drops the first, which wipes the raw key bytes. The key is never written
-//! anywhere else, never leaves the process, and is wiped when the session's `SessionKey` is dropped
-//! (aes-gcm's `zeroize` feature clears the key schedule, then the box wipes its whole mapping).
+//! [`LockedBox`], builds ring's AES-256-GCM key (its AES key schedule and GHASH table, a plain Rust
+//! value) inside a second `LockedBox`, and drops the first, which wipes the raw key bytes. The key
+//! is never written anywhere else, never leaves the process, and is wiped when the session's
+//! `SessionKey` is dropped (the box wipes its whole mapping, whatever the value's own `Drop` does).
 //!
 //! Limits of what Rust can promise: building the cipher may leave copies of round keys in the stack
 //! frames of the key-expansion code (a returned value may be moved through the stack) and in CPU
@@ -17,7 +17,7 @@
 use std::fmt;
 use std::mem::MaybeUninit;
 
-use aes_gcm::{Aes256Gcm, KeyInit};
+use ring::aead::{AES_256_GCM, LessSafeKey, UnboundKey};
 use zeroize::Zeroize;
 
 use super::SealError;
@@ -31,8 +31,8 @@ const SCRUB_BYTES: usize = 16 * 1024;
 
 /// One session's sealing key: an AES-256-GCM cipher in locked, non-dumpable memory.
 pub struct SessionKey {
-    /// The cipher (AES-256 key schedule and GHASH key); wiped when the key is dropped.
-    cipher: LockedBox<Aes256Gcm>,
+    /// The cipher (AES-256 key schedule and GHASH table); wiped when the key is dropped.
+    cipher: LockedBox<LessSafeKey>,
 }
 
 impl SessionKey {
@@ -62,7 +62,7 @@ impl SessionKey {
     }
 
     /// The cipher, for sealing and opening.
-    pub(crate) fn cipher(&self) -> &Aes256Gcm {
+    pub(crate) fn cipher(&self) -> &LessSafeKey {
         &self.cipher
     }
 }
@@ -72,10 +72,10 @@ impl SessionKey {
 #[inline(never)]
 fn build_cipher<'a>(
     raw: &LockedBox<[u8; KEY_LEN]>,
-    slot: &'a mut MaybeUninit<Aes256Gcm>,
-) -> Result<&'a mut Aes256Gcm, SealError> {
-    let key: &aes_gcm::Key<Aes256Gcm> = (&raw[..]).try_into().expect("a 32-byte array is an AES-256 key");
-    Ok(slot.write(Aes256Gcm::new(key)))
+    slot: &'a mut MaybeUninit<LessSafeKey>,
+) -> Result<&'a mut LessSafeKey, SealError> {
+    let key = UnboundKey::new(&AES_256_GCM, &raw[..]).expect("a 32-byte array is an AES-256 key");
+    Ok(slot.write(LessSafeKey::new(key)))
 }
 
 /// Fills `bytes` from the kernel's random number generator (`getrandom(2)`, blocking until it is

@@ -12,8 +12,16 @@
 //!   counters only grow.
 //! - **Ciphertexts are bound to their page.** The AAD ([`PageAad`]) names session, layer, block,
 //!   tier, counter and length, so bytes from another slot, session, write or length fail the tag.
-//! - **A failed tag yields an error, never bytes.** [`open`] checks the tag before decrypting and,
-//!   when it fails, zeroes the buffer and returns [`SealError::Tag`] for that page.
+//! - **A failed tag yields an error, never bytes.** When the tag fails, [`open`] zeroes the buffer
+//!   and returns [`SealError::Tag`] for that page. (The cipher decrypts while it authenticates, so
+//!   the buffer holds unauthenticated plaintext until the tag is compared: open only into memory
+//!   no one else reads until the call returns.)
+//!
+//! The cipher is ring's AES-256-GCM (BoringSSL's assembly, picked at run time from CPUID: on a CPU
+//! with VAES and VPCLMULQDQ, one pass that encrypts and hashes together). It replaced the `aes-gcm`
+//! crate, which makes two passes (CTR, then a 128-bit PCLMULQDQ GHASH) and sealed about 3.2 GiB/s
+//! per core here against ring's 10 GB/s (`cargo bench -p kvmm-store --bench seal`). `aes-gcm`
+//! stays as a test-only reference: the tests check that both give the same ciphertext and tag.
 //!
 //! The caller stores the 16-byte tag and the nonce's slot and counter with the page's metadata;
 //! nothing else about the seal needs storing.
@@ -26,8 +34,7 @@ mod locked;
 use std::borrow::Cow;
 use std::io;
 
-use aes_gcm::aead::AeadInOut;
-use aes_gcm::aead::inout::InOutBuf;
+use ring::aead;
 
 pub use aad::{AAD_LEN, AAD_VERSION, MAX_COUNTER, NONCE_LEN, PageAad, SealNonce, TIER_DRAM, TIER_FLASH};
 pub use counters::SlotCounters;
@@ -47,13 +54,13 @@ pub const TAG_LEN: usize = 16;
 /// [`SealError::TooLong`] for a buffer longer than a `u32` can say.
 pub fn seal(key: &SessionKey, nonce: SealNonce, aad: &PageAad, buf: &mut [u8]) -> Result<[u8; TAG_LEN], SealError> {
     check_seal(nonce, aad, buf.len())?;
-    encrypt(key, nonce, aad, buf.into())
+    encrypt(key, nonce, aad, buf)
 }
 
 /// Opens `buf`, sealed by [`seal`] with `nonce`, `aad` and `tag`, in place.
 ///
-/// The tag is checked before anything is decrypted. Every disagreement — changed bytes, a changed
-/// tag, another page's AAD or nonce, another session's key, a truncated buffer — is a tag failure.
+/// Every disagreement — changed bytes, a changed tag, another page's AAD or nonce, another
+/// session's key, a truncated buffer — is a tag failure.
 ///
 /// # Errors
 ///
@@ -66,11 +73,11 @@ pub fn open(
     buf: &mut [u8],
     tag: [u8; TAG_LEN],
 ) -> Result<(), SealError> {
-    let opened = decrypt(key, nonce, aad, (&mut *buf).into(), tag);
+    let opened = decrypt(key, nonce, aad, buf, tag);
     finish_open(opened, nonce, aad, buf)
 }
 
-/// Seals `src` into `dst` (the same length), like [`seal`] without first copying `src` to `dst`.
+/// Seals `src` into `dst` (the same length) and returns the tag; `src` is left as it was.
 ///
 /// # Errors
 ///
@@ -83,19 +90,13 @@ pub fn seal_into(
     dst: &mut [u8],
 ) -> Result<[u8; TAG_LEN], SealError> {
     check_seal(nonce, aad, src.len())?;
-    let found = dst.len() as u64;
-    let buf = InOutBuf::new(src, dst).map_err(|_| SealError::Mismatch {
-        field: "len",
-        against: "output buffer",
-        in_aad: u64::from(aad.len),
-        found,
-    })?;
-    encrypt(key, nonce, aad, buf)
+    check_equal("len", "output buffer", u64::from(aad.len), dst.len() as u64)?;
+    dst.copy_from_slice(src);
+    encrypt(key, nonce, aad, dst)
 }
 
-/// Opens `src` (sealed by [`seal`] or [`seal_into`]) into `dst` (the same length). The tag is
-/// checked before anything is decrypted; on any failure `dst` is zeroed and the error is
-/// [`SealError::Tag`].
+/// Opens `src` (sealed by [`seal`] or [`seal_into`]) into `dst` (the same length); `src` is left as
+/// it was. On any failure `dst` is zeroed and the error is [`SealError::Tag`].
 pub fn open_into(
     key: &SessionKey,
     nonce: SealNonce,
@@ -104,7 +105,10 @@ pub fn open_into(
     dst: &mut [u8],
     tag: [u8; TAG_LEN],
 ) -> Result<(), SealError> {
-    let opened = InOutBuf::new(src, &mut *dst).is_ok_and(|buf| decrypt(key, nonce, aad, buf, tag));
+    let opened = src.len() == dst.len() && {
+        dst.copy_from_slice(src);
+        decrypt(key, nonce, aad, dst, tag)
+    };
     finish_open(opened, nonce, aad, dst)
 }
 
@@ -116,24 +120,25 @@ fn check_seal(nonce: SealNonce, aad: &PageAad, len: usize) -> Result<(), SealErr
     check_equal("len", "buffer", u64::from(aad.len), u64::from(len32))
 }
 
-fn encrypt(
-    key: &SessionKey,
-    nonce: SealNonce,
-    aad: &PageAad,
-    buf: InOutBuf<'_, '_, u8>,
-) -> Result<[u8; TAG_LEN], SealError> {
+/// Encrypts `buf` in place (ring's AES-256-GCM: see the module doc) and returns the tag.
+fn encrypt(key: &SessionKey, nonce: SealNonce, aad: &PageAad, buf: &mut [u8]) -> Result<[u8; TAG_LEN], SealError> {
     let len = buf.len();
+    let nonce = aead::Nonce::assume_unique_for_key(nonce.to_bytes());
     let tag = key
         .cipher()
-        .encrypt_inout_detached(&aes_gcm::Nonce::from(nonce.to_bytes()), &aad.encode(), buf)
+        .seal_in_place_separate_tag(nonce, aead::Aad::from(aad.encode()), buf)
         .map_err(|_| SealError::TooLong { len })?;
-    Ok(tag.into())
+    let mut out = [0u8; TAG_LEN];
+    out.copy_from_slice(tag.as_ref());
+    Ok(out)
 }
 
-/// Whether the tag verified (and the output was decrypted).
-fn decrypt(key: &SessionKey, nonce: SealNonce, aad: &PageAad, buf: InOutBuf<'_, '_, u8>, tag: [u8; TAG_LEN]) -> bool {
+/// Decrypts `buf` in place; whether the tag verified. ring zeroes `buf` when it did not; the caller
+/// ([`finish_open`]) zeroes it again, so the promise does not rest on ring's.
+fn decrypt(key: &SessionKey, nonce: SealNonce, aad: &PageAad, buf: &mut [u8], tag: [u8; TAG_LEN]) -> bool {
+    let nonce = aead::Nonce::assume_unique_for_key(nonce.to_bytes());
     key.cipher()
-        .decrypt_inout_detached(&aes_gcm::Nonce::from(nonce.to_bytes()), &aad.encode(), buf, &aes_gcm::Tag::from(tag))
+        .open_in_place_separate_tag(nonce, aead::Aad::from(aad.encode()), aead::Tag::from(tag), buf, 0..)
         .is_ok()
 }
 
@@ -611,6 +616,38 @@ mod tests {
             tag[pos] ^= 1 << bit;
             let result = open(&key, nonce, &aad, &mut buf, tag);
             prop_assert!(matches!(result, Err(SealError::Tag { .. })), "{:?}", result);
+        }
+
+        /// ring (what seals) and the `aes-gcm` crate (a second, independent implementation) give the
+        /// same ciphertext and tag for the same key, nonce, AAD and page, and each opens the other's.
+        #[test]
+        fn ring_and_the_aes_gcm_crate_agree(
+            raw in any::<[u8; 32]>(),
+            slot in any::<u32>(),
+            counter in 0u64..=MAX_COUNTER,
+            plain in prop::collection::vec(any::<u8>(), 0..3000),
+        ) {
+            use aes_gcm::aead::{AeadInOut, KeyInit};
+            let key = SessionKey::from_bytes_for_test(raw).expect("locked key");
+            let nonce = SealNonce::new(TIER_FLASH, slot, counter).expect("nonce");
+            let aad = aad_for(nonce, plain.len());
+            let mut ours = plain.clone();
+            let tag = seal(&key, nonce, &aad, &mut ours).expect("seal");
+
+            let reference = aes_gcm::Aes256Gcm::new(&raw.into());
+            let mut theirs = plain.clone();
+            let their_tag = reference
+                .encrypt_inout_detached(&nonce.to_bytes().into(), &aad.encode(), theirs.as_mut_slice().into())
+                .expect("reference seal");
+            prop_assert_eq!(&ours, &theirs);
+            prop_assert_eq!(tag, <[u8; TAG_LEN]>::from(their_tag));
+
+            reference
+                .decrypt_inout_detached(&nonce.to_bytes().into(), &aad.encode(), theirs.as_mut_slice().into(), &tag.into())
+                .expect("the reference opens what ring sealed");
+            prop_assert_eq!(&theirs, &plain);
+            open(&key, nonce, &aad, &mut ours, tag).expect("ring opens its own page");
+            prop_assert_eq!(&ours, &plain);
         }
     }
 }
