@@ -119,7 +119,9 @@ pub fn tier_task(daemon: Arc<Daemon>) {
         if plan.demote_device > 0 {
             let mut core = daemon.core.lock();
             let flash = daemon.flash.as_ref();
-            match tiering::demote_coldest(&mut core, flash, &demotion, plan.demote_device, &mut scratch) {
+            let demoted = tiering::demote_coldest(&mut core, flash, &demotion, plan.demote_device, &mut scratch);
+            scratch.wipe();
+            match demoted {
                 Ok(moved) => {
                     background.spend(moved);
                     core.tier_counters.background_bytes += moved;

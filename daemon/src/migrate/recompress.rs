@@ -12,6 +12,7 @@ use std::ops::Range;
 
 use kvmm_kernels::Format;
 use kvmm_shm::PageLocation;
+use zeroize::Zeroizing;
 
 use crate::daemon::Core;
 use crate::error::{Error, Result};
@@ -149,9 +150,10 @@ pub fn recompress(
     Ok(report)
 }
 
-/// Reused buffers: the page read out of the arena, and its new encoding.
+/// Reused buffers: the page read out of the arena, and its new encoding (both in the clear, so
+/// wiped when dropped).
 #[derive(Debug, Default)]
 pub struct Scratch {
-    src: Vec<u8>,
-    dst: Vec<u8>,
+    src: Zeroizing<Vec<u8>>,
+    dst: Zeroizing<Vec<u8>>,
 }

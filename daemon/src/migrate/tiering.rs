@@ -40,6 +40,7 @@ use kvmm_store::flash::{FlashFile, FlashSlot};
 use kvmm_store::seal::SessionKey;
 use kvmm_store::tier::{PageId, PageRead, PageWrite, Tier, TierError};
 use parking_lot::{Mutex, MutexGuard};
+use zeroize::{Zeroize, Zeroizing};
 
 use crate::daemon::Core;
 use crate::error::{Error, Result};
@@ -118,11 +119,20 @@ impl Reserved {
     }
 }
 
-/// Reused buffers of demotion and DRAM promotion.
+/// Reused buffers of demotion and DRAM promotion. They hold pages in the clear, so they are wiped
+/// when dropped, and a long-lived holder (the tier thread) calls [`Scratch::wipe`] after each use.
 #[derive(Debug, Default)]
 pub struct Scratch {
-    src: Vec<u8>,
-    dst: Vec<u8>,
+    src: Zeroizing<Vec<u8>>,
+    dst: Zeroizing<Vec<u8>>,
+}
+
+impl Scratch {
+    /// Zeroes both buffers (their whole capacity, which is kept for the next use).
+    pub fn wipe(&mut self) {
+        self.src.zeroize();
+        self.dst.zeroize();
+    }
 }
 
 /// Which tier [`pick_victims`] looks in.
@@ -342,7 +352,8 @@ pub fn demote_to_dram(core: &mut Core, demotion: &Demotion, pages: &[PageRef], s
 pub struct Outbound {
     page: PageRef,
     slot: DramSlot,
-    bytes: Vec<u8>,
+    /// The page in the clear (wiped when dropped).
+    bytes: Zeroizing<Vec<u8>>,
     key: Arc<SessionKey>,
 }
 
@@ -356,7 +367,7 @@ fn take_from_dram(core: &mut Core, pages: &[PageRef]) -> Result<Vec<Outbound>> {
         let Some(s) = sessions.get_unchecked(r.session) else { continue };
         let (Some(page), Some(key)) = (s.pages.page(r.layer, r.block), s.key.clone()) else { continue };
         let Place::Dram(slot) = page.place else { continue };
-        let mut bytes = vec![0u8; slot.len as usize];
+        let mut bytes = Zeroizing::new(vec![0u8; slot.len as usize]);
         let got = dram.get(&mut [PageRead { key: Some(&key), page: r.id(), slot, out: &mut bytes }]).remove(0);
         match got {
             Ok(()) => out.push(Outbound { page: r, slot, bytes, key }),
@@ -477,7 +488,8 @@ pub struct Inbound {
     frame: Frame,
     uid: u32,
     key: Arc<SessionKey>,
-    bytes: Vec<u8>,
+    /// The page in the clear once read (wiped when dropped).
+    bytes: Zeroizing<Vec<u8>>,
 }
 
 /// Flash → device, phase 1 (core lock): a frame for each flash page of `pages` (the caller made
@@ -494,7 +506,14 @@ pub fn prepare_flash_reads(core: &mut Core, pages: &[PageRef]) -> Vec<Inbound> {
             continue;
         };
         reserved.add(frame);
-        out.push(Inbound { page: r, slot, frame, uid: s.owner.uid, key, bytes: vec![0u8; slot.len as usize] });
+        out.push(Inbound {
+            page: r,
+            slot,
+            frame,
+            uid: s.owner.uid,
+            key,
+            bytes: Zeroizing::new(vec![0u8; slot.len as usize]),
+        });
     }
     out
 }
@@ -705,5 +724,24 @@ mod tests {
         assert!((0..4).all(|b| keeps_precision(b, 32, 128)));
         // Long ones compress nearly everything.
         assert_eq!((0..2048).filter(|&b| !keeps_precision(b, 16, 32_768)).count(), 2048 - 1 - 8);
+    }
+
+    #[test]
+    fn a_wiped_scratch_keeps_its_capacity_and_no_page_bytes() {
+        let mut scratch = Scratch::default();
+        scratch.src.resize(25_408, 0xA5);
+        scratch.dst.resize(13_056, 0x5A);
+        let (src_cap, dst_cap) = (scratch.src.capacity(), scratch.dst.capacity());
+        scratch.wipe();
+        assert!(scratch.src.is_empty() && scratch.dst.is_empty());
+        assert_eq!((scratch.src.capacity(), scratch.dst.capacity()), (src_cap, dst_cap), "kept for reuse");
+        // Growing again within the capacity shows what the memory holds now.
+        // SAFETY: `set_len` within the capacity; `Vec::zeroize` wrote zeros over the whole capacity,
+        // so every byte is initialised.
+        unsafe {
+            scratch.src.set_len(src_cap);
+            scratch.dst.set_len(dst_cap);
+        }
+        assert!(scratch.src.iter().chain(scratch.dst.iter()).all(|&b| b == 0), "page bytes left in scratch");
     }
 }
