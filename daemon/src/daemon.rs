@@ -519,27 +519,33 @@ impl Daemon {
             return Err(Error::InvalidArgument("blocks must be at least 1".to_owned()));
         }
         let mut core = self.core.lock();
-        let room = {
-            let s = core.sessions.get(session_id, caller.uid, caller.id)?;
-            let have = s.pages.allocated_blocks();
-            let cap = s.pages.blocks_per_layer();
-            if u64::from(have) + u64::from(blocks) > u64::from(cap) {
-                return Err(Error::InvalidArgument(format!(
-                    "Extend past the geometry: session {session_id} has {have} of its {cap} blocks per layer \
-                     (max_tokens {} at {} tokens per block); {blocks} more would exceed max_tokens",
-                    s.geometry.max_tokens, s.geometry.block_tokens
-                )));
+        // Checked again after making room: `make_room` releases the core lock while it writes to
+        // flash, so another request (even an Extend of this session) may have run meanwhile.
+        let mut made_room = false;
+        loop {
+            let room = {
+                let s = core.sessions.get(session_id, caller.uid, caller.id)?;
+                let have = s.pages.allocated_blocks();
+                let cap = s.pages.blocks_per_layer();
+                if u64::from(have) + u64::from(blocks) > u64::from(cap) {
+                    return Err(Error::InvalidArgument(format!(
+                        "Extend past the geometry: session {session_id} has {have} of its {cap} blocks per layer \
+                         (max_tokens {} at {} tokens per block); {blocks} more would exceed max_tokens",
+                        s.geometry.max_tokens, s.geometry.block_tokens
+                    )));
+                }
+                tiering::Room {
+                    uid: Some(caller.uid),
+                    frame_len: s.geometry.page_bytes(),
+                    count: u64::from(blocks) * u64::from(s.geometry.layers),
+                }
+            };
+            // Under its quota first: a session that opted into eviction drops its least-attended
+            // pages (which also gives their room back), any other is refused.
+            crate::migrate::evict::fit_quota(&mut core, self.flash.as_ref(), session_id, blocks)?;
+            if made_room || !self.config.tiers.any() || core.pool.fits(caller.uid, room.frame_len, room.count) {
+                break;
             }
-            tiering::Room {
-                uid: Some(caller.uid),
-                frame_len: s.geometry.page_bytes(),
-                count: u64::from(blocks) * u64::from(s.geometry.layers),
-            }
-        };
-        // Under its quota first: a session that opted into eviction drops its least-attended pages
-        // (which also gives their room back), any other is refused.
-        crate::migrate::evict::fit_quota(&mut core, self.flash.as_ref(), session_id, blocks)?;
-        if self.config.tiers.any() && !core.pool.fits(caller.uid, room.frame_len, room.count) {
             // Make room below rather than refuse: demote the coldest pages of any session.
             let demotion = self.demotion();
             tiering::make_room(
@@ -551,6 +557,7 @@ impl Daemon {
                 &mut Scratch::default(),
             )?;
             self.wake_tiers();
+            made_room = true;
         }
         let Core { pool, sessions, .. } = &mut *core;
         let s = sessions.get_mut(session_id, caller.uid, caller.id)?;

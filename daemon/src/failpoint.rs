@@ -6,22 +6,29 @@
 //! an empty inline function. A debug kvmmd reads `KVMM_FAILPOINT=NAME[:N[:pause-MS]]` once: the
 //! `N`-th time (default 1) execution reaches the point `NAME`, it logs the point and kills itself;
 //! with `pause-MS` it sleeps MS milliseconds there instead and carries on, so that a test can look
-//! at the daemon between the two steps (`promote-after-read` is reached with no lock held, so
-//! admin requests are served meanwhile; the others hold the core lock).
+//! at the daemon between the two steps (`flash-before-write` and `promote-after-read` are reached
+//! with no lock held, so other requests are served meanwhile; the others hold the core lock).
 //!
 //! The points (each between the two steps its name says):
 //!
 //! | name | where |
 //! |---|---|
 //! | `dram-after-store` | device → DRAM: the page is stored in the pool, still `MIGRATING` in the shared table |
+//! | `flash-before-write` | DRAM → flash: pages copied out of the pool and the core lock released, before the flash lock is taken and the pages are sealed and written |
 //! | `flash-after-write` | DRAM → flash: sealed and written, before the page table points at the slot |
 //! | `flash-after-index` | DRAM → flash: the page table points at the slot, before the DRAM slot is freed |
 //! | `promote-after-read` | flash → device: read and authenticated into a fresh frame, before it is published |
 //! | `promote-after-publish` | flash → device: published resident, before the `Fault` reply |
 
 /// The point names [`hit`] knows, for the tests.
-pub const POINTS: [&str; 5] =
-    ["dram-after-store", "flash-after-write", "flash-after-index", "promote-after-read", "promote-after-publish"];
+pub const POINTS: [&str; 6] = [
+    "dram-after-store",
+    "flash-before-write",
+    "flash-after-write",
+    "flash-after-index",
+    "promote-after-read",
+    "promote-after-publish",
+];
 
 /// Kills kvmmd at `name`, or pauses there, when `KVMM_FAILPOINT` chose it (debug builds only).
 #[cfg(debug_assertions)]

@@ -80,6 +80,11 @@ fn killed_after_a_page_is_stored_in_dram_before_it_is_published() {
 }
 
 #[test]
+fn killed_with_pages_copied_out_of_dram_before_they_are_written_to_flash() {
+    crash_at("flash-before-write");
+}
+
+#[test]
 fn killed_after_a_flash_write_before_the_page_table_update() {
     crash_at("flash-after-write");
 }

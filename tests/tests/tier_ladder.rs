@@ -429,3 +429,64 @@ fn frames_reserved_for_a_flash_read_are_accounted_while_it_runs() {
     c.expect_line("detached");
     assert!(daemon.stop().success());
 }
+
+/// When a request needs device room and the DRAM pool is full, its pages go on to flash without the
+/// core lock: while one client's `Extend` waits on that write, others are served. The fail point
+/// pauses the write for 5 s with the lock released; a `Status` (which takes the core lock) must come
+/// back long before the pause ends. Background draining is off (watermarks at 100%), so the only
+/// DRAM → flash moves are those of requests that wait on room.
+#[test]
+fn a_request_that_pushes_dram_pages_to_flash_does_not_hold_the_core_lock_during_the_write() {
+    let flash = tempfile::tempdir().unwrap();
+    let config = flash.path().join("kvmm.toml");
+    std::fs::write(&config, "[tiers]\nhigh_watermark = 100\nlow_watermark = 99\n").unwrap();
+    let mut kvmmd = kvmm_tests::kvmmd_command();
+    kvmmd.env("KVMM_FAILPOINT", "flash-before-write:1:pause-5000");
+    let args = [
+        "--config",
+        config.to_str().unwrap(),
+        "--device-budget",
+        "2MiB",
+        "--dram-budget",
+        "512KiB",
+        "--flash-budget",
+        "16MiB",
+        "--flash-dir",
+        flash.path().to_str().unwrap(),
+        "--demote-format",
+        "none",
+    ];
+    let daemon = Daemon::start_with(kvmmd, None, &args);
+    // 8 layers × 1,200 tokens: 304 pages against about 80 device frames and 20 DRAM pages.
+    let mut c =
+        spawn_client("run", &daemon, &["--layers", "8", "--tokens", "1200", "--attend-every", "64", "--seed", "8"]);
+
+    let started = std::time::Instant::now();
+    while !daemon.log().contains("kvmmd pauses here") {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no request pushed DRAM pages to flash:\n{}",
+            daemon.log()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let asked = std::time::Instant::now();
+    let s = daemon.status();
+    let waited = asked.elapsed();
+    assert!(
+        waited < Duration::from_secs(2),
+        "Status waited {waited:?} for the core lock while a flash write was paused: {s:?}"
+    );
+
+    // The paused write completes, the client finishes its appends and its checks hold.
+    c.expect_line("appended");
+    c.send("check 2");
+    let checked = fields(&c.expect_line("checked"));
+    assert!(checked["worst_rel_err"].parse::<f64>().unwrap() <= 1e-3, "{checked:?}");
+    let s = daemon.status();
+    assert!(s.tiers[2].pages > 0, "pages reached flash: {s:?}");
+    assert_eq!(s.tiers[0].used_bytes, s.session_bytes + s.tiers[0].reserved_bytes, "{s:?}");
+    c.send("exit");
+    c.expect_line("detached");
+    assert!(daemon.stop().success());
+}

@@ -18,7 +18,8 @@
 //!   the core lock ([`commit_flash_reads`]). A page is published resident only with bytes that
 //!   passed authentication; a tag failure frees the frame and reports `DATA_LOSS` for that page.
 //! - **Room** ([`make_room`]): frees device bytes by demoting the coldest pages (and DRAM bytes by
-//!   pushing its coldest pages to flash), never touching protected pages.
+//!   pushing its coldest pages to flash, with the core lock released during the flash I/O), never
+//!   touching protected pages.
 //!
 //! Lock order: core, then flash. Nothing holds the flash lock while taking the core lock.
 //!
@@ -610,12 +611,15 @@ impl Room {
 }
 
 /// Demotes the coldest unprotected pages until `room` fits: to DRAM, and when DRAM is full its
-/// coldest pages to flash first (with the flash I/O under the core lock: this is the synchronous
-/// path; the tier thread's watermarks keep it rare). When the budget has the bytes but the arena's
-/// free space is cut into holes too small for the frames (pages of mixed formats), pages of that
-/// arena are demoted until holes join. Returns whether `room` fits now.
+/// coldest pages to flash first. When the budget has the bytes but the arena's free space is cut
+/// into holes too small for the frames (pages of mixed formats), pages of that arena are demoted
+/// until holes join. Returns whether `room` fits now.
+///
+/// The core lock is released while pages are sealed and written to flash ([`move_to_flash`]), so
+/// other clients are served meanwhile and anything may have changed when this returns: the caller
+/// checks again what it checked before (its session may even be gone).
 pub fn make_room(
-    core: &mut Core,
+    core: &mut MutexGuard<'_, Core>,
     flash: Option<&Mutex<FlashFile>>,
     demotion: &Demotion,
     room: Room,
@@ -653,10 +657,10 @@ pub fn make_room(
 }
 
 /// Demotes about `bytes` of the coldest device pages (the tier thread's watermark drain, in
-/// rate-limited steps): to DRAM, and when DRAM is full its coldest pages to flash first. Returns
-/// the device bytes freed.
+/// rate-limited steps): to DRAM, and when DRAM is full its coldest pages to flash first (the core
+/// lock released during the flash I/O, as in [`make_room`]). Returns the device bytes freed.
 pub fn demote_coldest(
-    core: &mut Core,
+    core: &mut MutexGuard<'_, Core>,
     flash: Option<&Mutex<FlashFile>>,
     demotion: &Demotion,
     bytes: u64,
@@ -687,21 +691,27 @@ pub fn move_to_flash(core: &mut MutexGuard<'_, Core>, flash: &Mutex<FlashFile>, 
         return Ok(0);
     }
     let metrics = core.metrics.clone();
-    let written = MutexGuard::unlocked(core, || write_to_flash(&mut flash.lock(), &out, &metrics));
+    let written = MutexGuard::unlocked(core, || {
+        crate::failpoint::hit("flash-before-write");
+        write_to_flash(&mut flash.lock(), &out, &metrics)
+    });
     crate::failpoint::hit("flash-after-write");
     Ok(commit_to_flash(core, flash, out, written))
 }
 
-/// Moves at least `bytes` of the coldest DRAM pages to flash, synchronously; returns pages moved.
-pub fn spill_dram(core: &mut Core, flash: &Mutex<FlashFile>, bytes: u64, protect: &HashSet<PageRef>) -> Result<u32> {
+/// Moves at least `bytes` of the coldest DRAM pages to flash ([`move_to_flash`]: the core lock is
+/// released during the I/O); returns pages moved.
+pub fn spill_dram(
+    core: &mut MutexGuard<'_, Core>,
+    flash: &Mutex<FlashFile>,
+    bytes: u64,
+    protect: &HashSet<PageRef>,
+) -> Result<u32> {
     let victims = pick_victims(core, VictimTier::Dram, bytes, protect, Need::Waiting);
     if victims.is_empty() {
         return Ok(0);
     }
-    let out = take_from_dram(core, &victims)?;
-    let written = write_to_flash(&mut flash.lock(), &out, &core.metrics);
-    crate::failpoint::hit("flash-after-write");
-    Ok(commit_to_flash(core, flash, out, written))
+    move_to_flash(core, flash, &victims)
 }
 
 fn footprint(core: &Core, r: PageRef) -> Option<u64> {
