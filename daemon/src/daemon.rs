@@ -907,12 +907,14 @@ impl Daemon {
     ) -> Result<crate::migrate::recompress::RecompressReport> {
         self.admit()?;
         let mut scratch = crate::migrate::recompress::Scratch::default();
+        let floors = self.demotion().floors;
         let report = crate::migrate::recompress::recompress(
             &mut self.core.lock(),
             session_id,
             layers,
             blocks,
             to,
+            &floors,
             &mut scratch,
         )?;
         tracing::info!(session = session_id, format = to.name(), ?report, "recompressed");

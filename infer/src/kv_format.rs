@@ -240,7 +240,7 @@ impl Recompression {
         let t = &mut self.totals;
         t.calls += 1;
         t.compressed += r.compressed;
-        t.skipped += r.skipped_pinned + r.skipped_not_full + r.skipped_already + r.skipped_invalid;
+        t.skipped += r.skipped_pinned + r.skipped_not_full + r.skipped_already + r.skipped_invalid + r.skipped_floor;
         t.bytes_before += r.bytes_before;
         t.bytes_after += r.bytes_after;
         Ok(r.compressed)

@@ -167,3 +167,38 @@ fn q8_mode_keeps_the_most_attended_pages_exact_and_a_reload_turns_adaptive_off_a
     finish(second);
     assert!(daemon.stop().success());
 }
+
+/// An administrator's `Compress` obeys the floors too: layer 0 (floor q8) goes down to q8 only,
+/// layer 1 (floor f16) is left alone and counted in `skipped_floor`, layer 2 (no floor) takes the
+/// q4 asked for. The client's checks hold over the pages in their new formats.
+#[test]
+fn an_admin_compress_goes_no_lower_than_each_layers_floor() {
+    let config = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        config.path(),
+        "[[policy.floor]]\nlayers = \"0\"\nformat = \"q8\"\n\n[[policy.floor]]\nlayers = \"1\"\nformat = \"f16\"\n",
+    )
+    .unwrap();
+    let daemon = Daemon::start(&["--config", config.path().to_str().unwrap(), "--device-budget", "64MiB"]);
+    // 3 layers × 300 tokens: 9 full pages and a tail in each.
+    let mut c = spawn_client("run", &daemon, &["--layers", "3", "--tokens", "300", "--seed", "12"]);
+    let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
+
+    let r = daemon.compress(session, kvmm_proto::v1::PageFormat::Q4);
+    assert_eq!((r.compressed, r.skipped_floor, r.skipped_already), (18, 9, 0), "{r:?}");
+    c.send("formats");
+    let layers: Vec<Vec<String>> =
+        (0..3).map(|_| fields(&c.expect_line("formats"))["pages"].split(',').map(str::to_owned).collect()).collect();
+    assert_eq!(count(&layers[0], 0..9), counts(&[("q8", 9)]), "{:?}", layers[0]);
+    assert_eq!(count(&layers[1], 0..9), counts(&[("f16", 9)]), "{:?}", layers[1]);
+    assert_eq!(count(&layers[2], 0..9), counts(&[("q4", 9)]), "{:?}", layers[2]);
+
+    // Asked again: layer 0 is at its floor, layer 1 under its f16 floor, layer 2 already at q4.
+    let again = daemon.compress(session, kvmm_proto::v1::PageFormat::Q4);
+    assert_eq!((again.compressed, again.skipped_floor, again.skipped_already), (0, 18, 9), "{again:?}");
+    c.send("check 2");
+    let checked = fields(&c.expect_line("checked"));
+    assert!(checked["worst_rel_err"].parse::<f64>().unwrap() <= 0.3, "{checked:?}");
+    finish(c);
+    assert!(daemon.stop().success());
+}

@@ -16,6 +16,7 @@ use zeroize::Zeroizing;
 
 use crate::daemon::Core;
 use crate::error::{Error, Result};
+use crate::policy::precision::Floors;
 
 /// What one recompression request did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -28,6 +29,10 @@ pub struct RecompressReport {
     pub skipped_not_full: u32,
     /// Pages skipped because they are already at or below the target format.
     pub skipped_already: u32,
+    /// Pages left as they were because their layer's `[[policy.floor]]` is at or above their format
+    /// (where a layer's floor lies between a page's format and the target, the page goes down to the
+    /// floor only, and counts as compressed).
+    pub skipped_floor: u32,
     /// Pages skipped because they are not in the device tier (demoted pages keep their format).
     pub skipped_not_resident: u32,
     /// Pages skipped because their bytes could not be encoded (e.g. NaN written by the client).
@@ -43,13 +48,15 @@ fn rank(format: Format) -> u32 {
     format.k_bits() + format.v_bits()
 }
 
-/// Re-encodes the full pages of `layers × blocks` of a session as `to`.
+/// Re-encodes the full pages of `layers × blocks` of a session as `to`, or as the layer's floor in
+/// `floors` where that is more precise (a 16-bit floor keeps every page of its layer as it is).
 pub fn recompress(
     core: &mut Core,
     session_id: u64,
     layers: Range<u32>,
     blocks: Range<u32>,
     to: Format,
+    floors: &Floors,
     scratch: &mut Scratch,
 ) -> Result<RecompressReport> {
     if matches!(to, Format::F16 | Format::Bf16) {
@@ -75,10 +82,15 @@ pub fn recompress(
         )));
     }
     let shape = g.page_shape();
-    let new_len = shape.page_bytes(to) as u64;
     let uid = s.owner.uid;
     let mut report = RecompressReport::default();
     for layer in layers {
+        // The layer's floor, where it is more precise than the target (None: a 16-bit floor).
+        let target = match floors.of(layer, g.layers) {
+            Some(floor) if rank(floor) > rank(to) => floor.is_quantized().then_some(floor),
+            _ => Some(to),
+        };
+        let new_len = target.map_or(0, |t| shape.page_bytes(t) as u64);
         for block in blocks.clone() {
             let Some(page) = s.pages.page(layer, block) else { continue };
             let Some(frame) = page.frame() else {
@@ -94,6 +106,10 @@ pub fn recompress(
                 report.skipped_not_full += 1;
                 continue;
             }
+            let Some(to) = target.filter(|t| rank(page.format) > rank(*t)) else {
+                report.skipped_floor += 1;
+                continue;
+            };
             // Everything fallible that does not depend on the page's bytes is looked up before the
             // page is marked MIGRATING; from `try_begin_migrate` on, every path finishes or aborts.
             let entry = s.table.entry_writer(layer, block)?;

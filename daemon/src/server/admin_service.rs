@@ -154,6 +154,7 @@ impl pb::admin_server::Admin for AdminService {
             skipped_not_full: rep.skipped_not_full,
             skipped_already: rep.skipped_already,
             skipped_invalid: rep.skipped_invalid,
+            skipped_floor: rep.skipped_floor,
             bytes_before: rep.bytes_before,
             bytes_after: rep.bytes_after,
         }))
