@@ -906,7 +906,7 @@ impl Daemon {
         to: kvmm_kernels::Format,
     ) -> Result<crate::migrate::recompress::RecompressReport> {
         self.admit()?;
-        let mut scratch = crate::migrate::recompress::Scratch::default();
+        let mut scratch = Scratch::default();
         let floors = self.demotion().floors;
         let report = crate::migrate::recompress::recompress(
             &mut self.core.lock(),

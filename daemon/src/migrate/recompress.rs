@@ -12,11 +12,11 @@ use std::ops::Range;
 
 use kvmm_kernels::Format;
 use kvmm_shm::PageLocation;
-use zeroize::Zeroizing;
 
 use crate::daemon::Core;
 use crate::error::{Error, Result};
-use crate::policy::precision::Floors;
+use crate::migrate::tiering::Scratch;
+use crate::policy::precision::{self, Floors};
 
 /// What one recompression request did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -85,12 +85,7 @@ pub fn recompress(
     let uid = s.owner.uid;
     let mut report = RecompressReport::default();
     for layer in layers {
-        // The layer's floor, where it is more precise than the target (None: a 16-bit floor).
-        let target = match floors.of(layer, g.layers) {
-            Some(floor) if rank(floor) > rank(to) => floor.is_quantized().then_some(floor),
-            _ => Some(to),
-        };
-        let new_len = target.map_or(0, |t| shape.page_bytes(t) as u64);
+        let floor = floors.of(layer, g.layers);
         for block in blocks.clone() {
             let Some(page) = s.pages.page(layer, block) else { continue };
             let Some(frame) = page.frame() else {
@@ -106,10 +101,13 @@ pub fn recompress(
                 report.skipped_not_full += 1;
                 continue;
             }
-            let Some(to) = target.filter(|t| rank(page.format) > rank(*t)) else {
+            // Above `to` (checked above), so a target that is not below the page is the floor's doing.
+            let to = precision::raise(to, floor, page.format);
+            if rank(page.format) <= rank(to) {
                 report.skipped_floor += 1;
                 continue;
-            };
+            }
+            let new_len = shape.page_bytes(to) as u64;
             // Everything fallible that does not depend on the page's bytes is looked up before the
             // page is marked MIGRATING; from `try_begin_migrate` on, every path finishes or aborts.
             let entry = s.table.entry_writer(layer, block)?;
@@ -164,12 +162,4 @@ pub fn recompress(
         }
     }
     Ok(report)
-}
-
-/// Reused buffers: the page read out of the arena, and its new encoding (both in the clear, so
-/// wiped when dropped).
-#[derive(Debug, Default)]
-pub struct Scratch {
-    src: Zeroizing<Vec<u8>>,
-    dst: Zeroizing<Vec<u8>>,
 }

@@ -120,12 +120,13 @@ impl Reserved {
     }
 }
 
-/// Reused buffers of demotion and DRAM promotion. They hold pages in the clear, so they are wiped
-/// when dropped, and a long-lived holder (the tier thread) calls [`Scratch::wipe`] after each use.
+/// Reused buffers of demotion, DRAM promotion and recompression: a page as read, and its new
+/// encoding. They hold pages in the clear, so they are wiped when dropped, and a long-lived holder
+/// (the tier thread) calls [`Scratch::wipe`] after each use.
 #[derive(Debug, Default)]
 pub struct Scratch {
-    src: Zeroizing<Vec<u8>>,
-    dst: Zeroizing<Vec<u8>>,
+    pub(super) src: Zeroizing<Vec<u8>>,
+    pub(super) dst: Zeroizing<Vec<u8>>,
 }
 
 impl Scratch {
