@@ -308,6 +308,24 @@ impl Daemon {
             .collect()
     }
 
+    /// Memory the daemon's memfds hold (allocated blocks, whoever touched the pages): what the
+    /// arenas really cost the machine, unlike the daemon's Rss, which counts only the pages its own
+    /// mapping has faulted in.
+    pub fn memfd_allocated(&self) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        let dir = format!("/proc/{}/fd", self.pid());
+        std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| {
+                let path = e.ok()?.path();
+                let link = std::fs::read_link(&path).ok()?;
+                link.to_string_lossy()
+                    .starts_with("/memfd:")
+                    .then(|| std::fs::metadata(&path).ok().map(|m| m.blocks() * 512))?
+            })
+            .sum()
+    }
+
     /// Device-tier bytes in use.
     pub fn device_used(&self) -> u64 {
         self.status().tiers[0].used_bytes
