@@ -84,6 +84,46 @@ fn bf16_values_beyond_the_f16_range_are_refused() {
 }
 
 #[test]
+fn every_kernel_refuses_nan_infinite_and_out_of_range_elements_and_ignores_slots_past_tokens() {
+    // block_tokens 32 and head_dim 64, so the vector kernels run (they need multiples of 16).
+    let shape = PageShape { kv_heads: 2, head_dim: 64, block_tokens: 32 };
+    let row = shape.kv_heads * shape.head_dim;
+    let at = |t: usize, h: usize, d: usize| t * row + h * shape.head_dim + d;
+    let mut dst = vec![0u8; shape.page_bytes(Format::Q8)];
+    for (bad, shown) in [(f32::NAN, "NaN"), (f32::INFINITY, "inf"), (f32::NEG_INFINITY, "-inf"), (70000.0, "70144")] {
+        for (key, t, h, d) in [(true, 19, 1, 37), (false, 3, 0, 50), (false, 17, 1, 0)] {
+            let (mut k, mut v) = (vec![0.25f32; 32 * row], vec![-0.5f32; 32 * row]);
+            // Slot 25 lies past the 20 quantized tokens: nothing there is read.
+            (k[at(25, 0, 3)], v[at(25, 1, 9)]) = (f32::NAN, f32::INFINITY);
+            if key {
+                k[at(t, h, d)] = bad
+            } else {
+                v[at(t, h, d)] = bad
+            }
+            let mut src = vec![0u8; shape.page_bytes(Format::Bf16)];
+            init_page(shape, Format::Bf16, &mut src).unwrap();
+            write_rows(shape, Format::Bf16, &mut src, 0, &k, &v).unwrap();
+            let which = if key { "key" } else { "value" };
+            let want = format!("the {which} at token {t}, KV head {h}, channel {d} is {shown},");
+            for isa in Isa::available() {
+                let err = quantize_with(isa, shape, Format::Bf16, &src, 20, Format::Q8, &mut dst).unwrap_err();
+                assert_eq!(err.kind(), KernelErrorKind::BadValue, "{isa}");
+                assert!(err.to_string().starts_with(&want), "{isa}: {err}");
+            }
+            if key {
+                k[at(t, h, d)] = 0.25
+            } else {
+                v[at(t, h, d)] = -0.5
+            }
+            write_rows(shape, Format::Bf16, &mut src, 0, &k, &v).unwrap();
+            for isa in Isa::available() {
+                quantize_with(isa, shape, Format::Bf16, &src, 20, Format::Q8, &mut dst).unwrap();
+            }
+        }
+    }
+}
+
+#[test]
 fn bits_per_element_with_metadata_stay_within_one_bit_of_the_codes() {
     println!("{:<10} {:>8} {:>8} {:>8} {:>8}", "format", "kb/vb", "D=64", "D=128", "params");
     for format in Format::ALL {

@@ -51,12 +51,42 @@ unsafe fn load_wide(src: *const u8, mask: __mmask16, bf16: bool) -> __m512 {
     if bf16 { _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw))) } else { _mm512_cvtph_ps(raw) }
 }
 
-/// Whether every lane of `x` in `mask` can be quantized (finite, within ±65504).
+/// Lane `i` of the result is `op` folded over the 16 lanes of `v[i]`: sixteen horizontal
+/// reductions in 15 two-shuffle steps (halves, quarters, pairs, single lanes) instead of sixteen
+/// separate ones. `op` is min or max, so the order of folding does not change the result.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn encodable(x: __m512, mask: __mmask16) -> bool {
-    let fine = _mm512_mask_cmp_ps_mask::<_CMP_LE_OQ>(mask, _mm512_abs_ps(x), _mm512_set1_ps(MAX_QUANTIZED));
-    fine == mask
+fn reduce16(v: &[__m512; LANES], op: impl Fn(__m512, __m512) -> __m512) -> __m512 {
+    // Fold 1, pairs of vectors: 256-bit halves. Lanes 0..8 of `r[k]` fold `v[a]`, 8..16 fold `v[b]`,
+    // where the inputs are taken in the order that makes the last step land group `i` in lane `i`
+    // (group 4e + j ends in lane 4j + e without it).
+    const ORDER: [usize; LANES] = [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15];
+    let halves = |a: __m512, b: __m512| {
+        op(_mm512_shuffle_f32x4::<0b01_00_01_00>(a, b), _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b))
+    };
+    let r: [__m512; 8] = std::array::from_fn(|k| halves(v[ORDER[2 * k]], v[ORDER[2 * k + 1]]));
+    // Fold 2: 128-bit quarters; quarter q of `s[m]` folds the input of position 4m + q.
+    let quarters = |a: __m512, b: __m512| {
+        op(_mm512_shuffle_f32x4::<0b10_00_10_00>(a, b), _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b))
+    };
+    let s: [__m512; 4] = std::array::from_fn(|m| quarters(r[2 * m], r[2 * m + 1]));
+    // Folds 3 and 4 inside each quarter: pairs of lanes, then single lanes.
+    let pairs =
+        |a: __m512, b: __m512| op(_mm512_shuffle_ps::<0b01_00_01_00>(a, b), _mm512_shuffle_ps::<0b11_10_11_10>(a, b));
+    let singles =
+        |a: __m512, b: __m512| op(_mm512_shuffle_ps::<0b10_00_10_00>(a, b), _mm512_shuffle_ps::<0b11_01_11_01>(a, b));
+    singles(pairs(s[0], s[1]), pairs(s[2], s[3]))
+}
+
+/// Whether groups with smallest values `lo` and largest `hi`, none of whose elements was NaN, can
+/// be quantized: every element finite and within ±65504.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn in_range(lo: __m512, hi: __m512) -> bool {
+    let limit = _mm512_set1_ps(MAX_QUANTIZED);
+    let fine = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(hi, limit)
+        & _mm512_cmp_ps_mask::<_CMP_GE_OQ>(lo, _mm512_sub_ps(_mm512_setzero_ps(), limit));
+    fine == !0
 }
 
 /// The parameters of 16 groups with smallest values `lo` and largest `hi` and `levels = 2^b − 1`:
@@ -94,8 +124,10 @@ fn group_params(lo: __m512, hi: __m512, levels: f32) -> (__m512i, __m512, __m512
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn encode16(x: __m512, min: __m512, inv: __m512, levels: u32, mask: __mmask16) -> __m512i {
     let y = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(x, min), inv), _mm512_set1_ps(0.5));
-    let floor = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(y);
-    let codes = _mm512_min_epu32(_mm512_cvttps_epu32(floor), _mm512_set1_epi32(levels as i32));
+    // One conversion rounding toward −∞ is the floor and the conversion (y ≥ 0.5 is never negative;
+    // beyond u32 both give u32::MAX, which the min with `levels` clamps).
+    let floor = _mm512_cvt_roundps_epu32::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(y);
+    let codes = _mm512_min_epu32(floor, _mm512_set1_epi32(levels as i32));
     _mm512_maskz_mov_epi32(mask, codes)
 }
 
@@ -185,7 +217,8 @@ unsafe fn quantize_in<const KB: usize, const VB: usize>(
 
     for h in 0..shape.kv_heads {
         for d0 in (0..dim).step_by(LANES) {
-            let (mut lo, mut hi) = ([0.0f32; LANES], [0.0f32; LANES]);
+            let (mut lows, mut highs) = ([_mm512_setzero_ps(); LANES], [_mm512_setzero_ps(); LANES]);
+            let mut nan: __mmask16 = 0;
             for i in 0..LANES {
                 let row = k_row(h, d0 + i);
                 let (mut low, mut high) = (_mm512_set1_ps(f32::INFINITY), _mm512_set1_ps(f32::NEG_INFINITY));
@@ -193,17 +226,17 @@ unsafe fn quantize_in<const KB: usize, const VB: usize>(
                     // SAFETY: channel `d0 + i < dim` of head `h`: lanes of tokens `< tokens ≤ block`
                     // of its row inside the source's K region.
                     let x = unsafe { load_wide(row.add(32 * j), mask(j), bf16) };
-                    if !encodable(x, mask(j)) {
-                        return Err(Unencodable);
-                    }
+                    nan |= _mm512_mask_cmp_ps_mask::<_CMP_UNORD_Q>(mask(j), x, x);
                     low = _mm512_mask_min_ps(low, mask(j), low, x);
                     high = _mm512_mask_max_ps(high, mask(j), high, x);
                 }
-                lo[i] = _mm512_reduce_min_ps(low);
-                hi[i] = _mm512_reduce_max_ps(high);
+                (lows[i], highs[i]) = (low, high);
             }
-            // SAFETY: the 16-float arrays above.
-            let (low, high) = unsafe { (_mm512_loadu_ps(lo.as_ptr()), _mm512_loadu_ps(hi.as_ptr())) };
+            let (low, high) =
+                (reduce16(&lows, |a, b| _mm512_min_ps(a, b)), reduce16(&highs, |a, b| _mm512_max_ps(a, b)));
+            if nan != 0 || !in_range(low, high) {
+                return Err(Unencodable);
+            }
             let (pairs, min, inv) = group_params(low, high, k_levels as f32);
             // SAFETY: the 16 pairs of channels `d0..d0 + 16 ≤ dim` of head `h`, 64 bytes of the page.
             unsafe { _mm512_storeu_si512(out.add(layout.k_param(h, d0)).cast(), pairs) };
@@ -233,7 +266,9 @@ unsafe fn quantize_in<const KB: usize, const VB: usize>(
             let width = (dim - c0).min(V_GROUP);
             for t0 in (0..tokens).step_by(LANES) {
                 let count = (tokens - t0).min(LANES);
-                let (mut lo, mut hi) = ([0.0f32; LANES], [0.0f32; LANES]);
+                // Token slots past `count` fold zeros: their parameters are computed and not stored.
+                let (mut lows, mut highs) = ([_mm512_setzero_ps(); LANES], [_mm512_setzero_ps(); LANES]);
+                let mut nan: __mmask16 = 0;
                 for i in 0..count {
                     let row = v_row(h, t0 + i, c0);
                     let (mut low, mut high) = (_mm512_set1_ps(f32::INFINITY), _mm512_set1_ps(f32::NEG_INFINITY));
@@ -241,17 +276,17 @@ unsafe fn quantize_in<const KB: usize, const VB: usize>(
                         // SAFETY: channels `c0 + 16j .. + 16 ≤ dim` of token `t0 + i < tokens` of head
                         // `h`, inside the source's V region.
                         let x = unsafe { load_wide(row.add(32 * j), !0, bf16) };
-                        if !encodable(x, !0) {
-                            return Err(Unencodable);
-                        }
+                        nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
                         low = _mm512_min_ps(low, x);
                         high = _mm512_max_ps(high, x);
                     }
-                    lo[i] = _mm512_reduce_min_ps(low);
-                    hi[i] = _mm512_reduce_max_ps(high);
+                    (lows[i], highs[i]) = (low, high);
                 }
-                // SAFETY: the 16-float arrays above.
-                let (low, high) = unsafe { (_mm512_loadu_ps(lo.as_ptr()), _mm512_loadu_ps(hi.as_ptr())) };
+                let (low, high) =
+                    (reduce16(&lows, |a, b| _mm512_min_ps(a, b)), reduce16(&highs, |a, b| _mm512_max_ps(a, b)));
+                if nan != 0 || !in_range(low, high) {
+                    return Err(Unencodable);
+                }
                 let (pairs, min, inv) = group_params(low, high, v_levels as f32);
                 let filled = ((1u32 << count) - 1) as __mmask16;
                 // SAFETY: the pairs of tokens `t0..t0 + count ≤ block` of group `g` of head `h`.
