@@ -432,12 +432,14 @@ fn parse_io_faults(text: &str) -> Result<Vec<kvmm_store::io::Fault>> {
         .collect()
 }
 
-/// `--debug-hang LOOP:MS`, LOOP `tiers` or `policy`.
+/// `--debug-hang LOOP:MS`, LOOP `tiers`, `flash` or `policy`.
 fn parse_hang(text: &str) -> Result<(crate::systemd::Loop, std::time::Duration)> {
-    let bad = || Error::InvalidArgument(format!("--debug-hang '{text}' is not LOOP:MS (tiers|policy : milliseconds)"));
+    let bad =
+        || Error::InvalidArgument(format!("--debug-hang '{text}' is not LOOP:MS (tiers|flash|policy : milliseconds)"));
     let (which, ms) = text.split_once(':').ok_or_else(bad)?;
     let which = match which {
         "tiers" => crate::systemd::Loop::Tiers,
+        "flash" => crate::systemd::Loop::Flash,
         "policy" => crate::systemd::Loop::Policy,
         _ => return Err(bad()),
     };

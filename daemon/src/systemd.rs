@@ -119,6 +119,7 @@ pub struct Heartbeats {
     origin: Instant,
     /// Milliseconds after `origin` of the last beat, plus one (0: never beat).
     tiers: AtomicU64,
+    flash: AtomicU64,
     policy: AtomicU64,
 }
 
@@ -127,6 +128,8 @@ pub struct Heartbeats {
 pub enum Loop {
     /// The tier mover (`kvmm-tiers`): demotion, prefetch, watermarks.
     Tiers,
+    /// The flash drain (`kvmm-flash`): DRAM pages to flash past the DRAM watermark.
+    Flash,
     /// The policy loop (`kvmm-policy`): sensors and mode.
     Policy,
 }
@@ -136,6 +139,7 @@ impl Loop {
     pub fn name(self) -> &'static str {
         match self {
             Loop::Tiers => "tier mover",
+            Loop::Flash => "flash drain",
             Loop::Policy => "policy loop",
         }
     }
@@ -143,7 +147,12 @@ impl Loop {
 
 impl Default for Heartbeats {
     fn default() -> Self {
-        Heartbeats { origin: Instant::now(), tiers: AtomicU64::new(0), policy: AtomicU64::new(0) }
+        Heartbeats {
+            origin: Instant::now(),
+            tiers: AtomicU64::new(0),
+            flash: AtomicU64::new(0),
+            policy: AtomicU64::new(0),
+        }
     }
 }
 
@@ -151,6 +160,7 @@ impl Heartbeats {
     fn slot(&self, which: Loop) -> &AtomicU64 {
         match which {
             Loop::Tiers => &self.tiers,
+            Loop::Flash => &self.flash,
             Loop::Policy => &self.policy,
         }
     }

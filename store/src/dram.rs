@@ -31,6 +31,9 @@ pub struct DramSlot {
     pub len: u32,
     /// The seal's write counter and tag, when the page was sealed.
     pub sealed: Option<(u64, [u8; TAG_LEN])>,
+    /// Which store this is, unique in the pool's life: two slots of one frame are never equal, so a
+    /// page stored, freed and stored again in the same frame is told from its earlier self.
+    pub serial: u64,
 }
 
 /// The daemon's private page pool; see the module doc.
@@ -48,6 +51,8 @@ pub struct DramPool {
     counters: SlotCounters,
     /// Counters for stats (`used` comes from `frames`).
     stats: TierStats,
+    /// Stores so far: the next slot's [`DramSlot::serial`].
+    stored: u64,
 }
 
 // SAFETY: the pool owns its mapping exclusively; all access goes through `&mut self` or `&self`
@@ -87,6 +92,7 @@ impl DramPool {
             seal,
             counters: SlotCounters::new(TIER_DRAM, slots),
             stats: TierStats { budget, ..TierStats::default() },
+            stored: 0,
         })
     }
 
@@ -197,7 +203,8 @@ impl DramPool {
         self.stats.pages_in += 1;
         self.stats.bytes_in += u64::from(len);
         self.stats.pages += 1;
-        Ok(DramSlot { offset, extent, len, sealed })
+        self.stored += 1;
+        Ok(DramSlot { offset, extent, len, sealed, serial: self.stored })
     }
 
     /// Loads one page (see [`Tier::get`]).
@@ -332,6 +339,17 @@ mod tests {
         assert_eq!(out, page);
         pool.set_limit(u64::MAX);
         assert_eq!(pool.stats().budget, 4 << 20, "never above the pool's size");
+    }
+
+    #[test]
+    fn a_page_stored_again_in_the_same_frame_gets_a_different_slot() {
+        let mut pool = DramPool::new(1 << 16, false).unwrap();
+        let bytes = vec![1u8; 1000];
+        let first = pool.put(&[PageWrite { key: None, page: id(0), bytes: &bytes }]).remove(0).unwrap();
+        pool.free(first);
+        let again = pool.put(&[PageWrite { key: None, page: id(0), bytes: &bytes }]).remove(0).unwrap();
+        assert_eq!((again.offset, again.extent, again.len), (first.offset, first.extent, first.len));
+        assert_ne!(again, first, "the serial tells them apart");
     }
 
     #[test]

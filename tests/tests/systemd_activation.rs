@@ -242,10 +242,10 @@ fn a_passed_socket_kvmmd_cannot_place_is_refused_with_a_sentence() {
 }
 
 #[test]
-fn the_watchdog_is_fed_only_while_the_tier_mover_and_policy_loop_run() {
+fn the_watchdog_is_fed_only_while_the_tier_mover_flash_drain_and_policy_loop_run() {
     // kvmmd started directly (binding its own sockets) with a notify socket; one watched loop stops
     // for good 1.5 s after start, as a deadlocked one would (hidden --debug-hang).
-    for which in ["tiers", "policy"] {
+    for which in ["tiers", "flash", "policy"] {
         let dir = tempfile::Builder::new().prefix("kvmm-watchdog-").tempdir().unwrap();
         let d = dir.path();
         let mut notify = NotifySocket::bind(&d.join("notify"));
@@ -254,7 +254,8 @@ fn the_watchdog_is_fed_only_while_the_tier_mover_and_policy_loop_run() {
         let child = Command::new(kvmmd_bin())
             .arg("--runtime-dir")
             .arg(d)
-            .args(["--device-budget", "16MiB", "--dram-budget", "16MiB"])
+            .args(["--device-budget", "16MiB", "--dram-budget", "16MiB", "--flash-budget", "16MiB", "--flash-dir"])
+            .arg(d)
             .args(["--debug-hang", &format!("{which}:1500")])
             .env("NOTIFY_SOCKET", d.join("notify"))
             .env("WATCHDOG_USEC", "1000000")
@@ -267,7 +268,11 @@ fn the_watchdog_is_fed_only_while_the_tier_mover_and_policy_loop_run() {
         notify.expect("READY=1", Duration::from_secs(20), &log);
         assert!(notify.count("WATCHDOG=1", Duration::from_millis(1200)) >= 1, "fed while both loops run");
         let unhealthy = notify.expect("STATUS=unhealthy", Duration::from_secs(10), &log);
-        let name = if which == "tiers" { "tier mover" } else { "policy loop" };
+        let name = match which {
+            "tiers" => "tier mover",
+            "flash" => "flash drain",
+            _ => "policy loop",
+        };
         assert!(unhealthy.contains(name), "the status names the stalled loop: {unhealthy:?}");
         assert_eq!(notify.count("WATCHDOG=1", Duration::from_millis(2000)), 0, "no ping once a loop stalls");
         assert!(log().contains("no longer feeding the watchdog"), "{}", log());

@@ -490,3 +490,82 @@ fn a_request_that_pushes_dram_pages_to_flash_does_not_hold_the_core_lock_during_
     c.expect_line("detached");
     assert!(daemon.stop().success());
 }
+
+/// Background demotion into DRAM goes on while the flash drain seals and writes DRAM pages: the
+/// drain runs on a thread of its own, so the tier mover is not stuck behind its I/O. The first
+/// flash write is paused 6 s (fail point); meanwhile the client's appends push the device past its
+/// high watermark again, and the tier mover must move them down (its background bytes grow while
+/// no page has reached flash yet). Watermarks 50/25: device 160 frames (drained at 80, down to 40),
+/// DRAM 328 pages (drained to flash past 164); 8 layers × 1,000 tokens then 400 more: 256 + 104
+/// pages, which fit in device + DRAM without the paused write.
+#[test]
+fn the_tier_mover_keeps_demoting_into_dram_while_the_flash_drain_writes() {
+    let flash = tempfile::tempdir().unwrap();
+    let config = flash.path().join("kvmm.toml");
+    // Balanced pinned: performance (the mode on a host without a battery) drains DRAM only past 95%.
+    std::fs::write(&config, "[tiers]\nhigh_watermark = 50\nlow_watermark = 25\n[policy]\nmode = \"balanced\"\n")
+        .unwrap();
+    let mut kvmmd = kvmm_tests::kvmmd_command();
+    kvmmd.env("KVMM_FAILPOINT", "flash-before-write:1:pause-6000");
+    let args = [
+        "--config",
+        config.to_str().unwrap(),
+        "--device-budget",
+        "4MiB",
+        "--dram-budget",
+        "8MiB",
+        "--flash-budget",
+        "32MiB",
+        "--flash-dir",
+        flash.path().to_str().unwrap(),
+        "--demote-format",
+        "none",
+    ];
+    let daemon = Daemon::start_with(kvmmd, None, &args);
+    let mut c =
+        spawn_client("run", &daemon, &["--layers", "8", "--tokens", "1000", "--attend-every", "64", "--seed", "9"]);
+    let started = std::time::Instant::now();
+    while !daemon.log().contains("kvmmd pauses here") {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the DRAM pool was never drained: {:?}\n{}",
+            daemon.status(),
+            daemon.log()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let paused = std::time::Instant::now();
+    let before = daemon.status();
+    assert_eq!(before.demoted_to_flash, 0, "{before:?}");
+    c.expect_line("appended");
+    c.send("append 400");
+    let (s, _) =
+        daemon.wait_status(Duration::from_secs(4), |s| s.background_bytes >= before.background_bytes + 4 * PAGE_BYTES);
+    let seen = paused.elapsed();
+    assert!(
+        s.background_bytes >= before.background_bytes + 4 * PAGE_BYTES && s.demoted_to_flash == 0,
+        "the tier mover moved {} B in the background in {seen:?} while the flash write was paused (demoted \
+         to flash: {}):\n{}",
+        s.background_bytes - before.background_bytes,
+        s.demoted_to_flash,
+        daemon.log()
+    );
+    assert!(seen < Duration::from_millis(5500), "seen after the pause: {seen:?}");
+    eprintln!(
+        "while the drain's write was paused: {} B demoted into DRAM in the background in {seen:?}",
+        s.background_bytes - before.background_bytes
+    );
+
+    // The write completes; the drain carries on and the client's checks hold.
+    c.expect_line("appended");
+    let (s, _) = daemon.wait_status(Duration::from_secs(20), |s| s.demoted_to_flash > 0);
+    assert!(s.demoted_to_flash > 0, "{s:?}");
+    c.send("check 2");
+    let checked = fields(&c.expect_line("checked"));
+    assert!(checked["worst_rel_err"].parse::<f64>().unwrap() <= 1e-5, "lossless ladder: {checked:?}");
+    let s = daemon.status();
+    assert_eq!(s.tiers[0].used_bytes, s.session_bytes + s.tiers[0].reserved_bytes, "{s:?}");
+    c.send("exit");
+    c.expect_line("detached");
+    assert!(daemon.stop().success());
+}

@@ -14,7 +14,10 @@ use std::time::{Duration, Instant};
 
 use kvmm_store::dram::DramPool;
 
+use parking_lot::Mutex;
+
 use crate::daemon::Daemon;
+use crate::policy::mode::Tuning;
 use crate::policy::plan::{self, Allowance, Plan, PoolView};
 use crate::policy::rate::RateLimit;
 
@@ -51,19 +54,100 @@ pub async fn churn_task(daemon: Arc<Daemon>) {
 /// How often the tier task looks at the watermarks when nothing wakes it.
 const TIER_TICK: Duration = Duration::from_millis(20);
 
-/// The tier task, on a thread of its own (flash I/O blocks): carries out prefetch hints, and keeps
-/// the device and the DRAM pool under their high watermarks by demoting their coldest pages down to
-/// the low watermarks. The mode in force ([`crate::policy::mode::Tuning`], read on every pass) sets
-/// the watermarks, the demotion format and the byte rates of background migration and of flash
-/// writes; the pure planner ([`plan::plan`]) turns them and the pools' state into the bytes this
-/// pass moves, and the `[policy]` precision settings ([`crate::policy::precision::Demotion`])
-/// refine the format per page. Runs until the daemon shuts down.
-pub fn tier_task(daemon: Arc<Daemon>) {
+/// What the tier mover and the flash drain share: the byte budgets of background migration (the
+/// background limit covers what both move, the flash-write limit what the drain writes) and the
+/// drain's wake-up.
+#[derive(Debug)]
+pub struct Shared {
+    rates: Mutex<Rates>,
+    /// Set (and notified) when the tier mover has put pages into DRAM.
+    flash_wanted: (std::sync::Mutex<bool>, std::sync::Condvar),
+}
+
+#[derive(Debug)]
+struct Rates {
+    background: RateLimit,
+    flash_writes: RateLimit,
+}
+
+impl Shared {
+    fn new(tuning: &Tuning, now: Instant) -> Shared {
+        Shared {
+            rates: Mutex::new(Rates {
+                background: RateLimit::new(tuning.background_bytes_per_s, now),
+                flash_writes: RateLimit::new(tuning.flash_write_bytes_per_s, now),
+            }),
+            flash_wanted: Default::default(),
+        }
+    }
+
+    /// Puts the rates of `tuning` in force (none while the budgets are shrunk under memory
+    /// pressure: the memory has to go back now) and returns what they allow now.
+    fn allowance(&self, tuning: &Tuning, now: Instant) -> Allowance {
+        let shrunk = plan::shrunk(tuning);
+        let mut rates = self.rates.lock();
+        rates.background.set_rate(if shrunk { None } else { tuning.background_bytes_per_s }, now);
+        rates.flash_writes.set_rate(if shrunk { None } else { tuning.flash_write_bytes_per_s }, now);
+        Allowance { background: rates.background.available(now), flash_writes: rates.flash_writes.available(now) }
+    }
+
+    fn wake_flash(&self) {
+        let (flag, cv) = &self.flash_wanted;
+        *flag.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+        cv.notify_one();
+    }
+
+    /// Waits until woken or [`TIER_TICK`] passes.
+    fn wait_flash(&self) {
+        let (flag, cv) = &self.flash_wanted;
+        let mut wanted = flag.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !*wanted {
+            wanted = cv.wait_timeout(wanted, TIER_TICK).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
+        }
+        *wanted = false;
+    }
+}
+
+/// Starts the tier mover ([`tier_task`]) and, with a flash tier, the flash drain
+/// ([`flash_task`]), each on a thread of its own, so compressing device pages into DRAM and sealing
+/// and writing DRAM pages to flash overlap.
+pub fn start(daemon: &Arc<Daemon>) -> crate::error::Result<()> {
+    let shared = Arc::new(Shared::new(&daemon.tuning(), Instant::now()));
+    let spawn = |name: &str, task: fn(Arc<Daemon>, Arc<Shared>)| {
+        let (daemon, shared) = (daemon.clone(), shared.clone());
+        std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || task(daemon, shared))
+            .map(drop)
+            .map_err(|e| crate::error::Error::io(format!("cannot start the {name} thread"), e))
+    };
+    spawn("kvmm-tiers", tier_task)?;
+    if daemon.flash.is_some() {
+        spawn("kvmm-flash", flash_task)?;
+    }
+    Ok(())
+}
+
+/// The pools as the planner sees them.
+fn pool_view(daemon: &Daemon, core: &crate::daemon::Core) -> PoolView {
+    PoolView {
+        device_configured: core.pool.configured_budget(),
+        device_used: core.pool.used(),
+        dram: core.dram.as_ref().map(|d| (d.capacity(), dram_used(core))),
+        flash: daemon.flash.is_some(),
+    }
+}
+
+/// The tier task, on a thread of its own: carries out prefetch hints, and keeps the device under
+/// its high watermark by demoting its coldest pages down to the low watermark (into DRAM, which
+/// the flash drain keeps under its own watermark). The mode in force
+/// ([`crate::policy::mode::Tuning`], read on every pass) sets the watermarks, the demotion format
+/// and the byte rates of background migration and of flash writes; the pure planner
+/// ([`plan::plan`]) turns them and the pools' state into the bytes this pass moves, and the
+/// `[policy]` precision settings ([`crate::policy::precision::Demotion`]) refine the format per
+/// page. Runs until the daemon shuts down.
+pub fn tier_task(daemon: Arc<Daemon>, shared: Arc<Shared>) {
     let mut scratch = tiering::Scratch::default();
-    let none = std::collections::HashSet::new();
-    let start = daemon.tuning();
-    let mut background = RateLimit::new(start.background_bytes_per_s, Instant::now());
-    let mut flash_writes = RateLimit::new(start.flash_write_bytes_per_s, Instant::now());
     // Whether a watermark drain of the device is under way.
     let mut draining = false;
     // When free memory was last given back under pressure.
@@ -84,22 +168,8 @@ pub fn tier_task(daemon: Arc<Daemon>) {
             (policy.tuning(), policy.demotion())
         };
         let now = Instant::now();
-        let plan = {
-            let core = daemon.core.lock();
-            let view = PoolView {
-                device_configured: core.pool.configured_budget(),
-                device_used: core.pool.used(),
-                dram: core.dram.as_ref().map(|d| (d.capacity(), dram_used(&core))),
-                flash: daemon.flash.is_some(),
-            };
-            // Under memory pressure the drain is not rate-limited: the memory has to go back now.
-            let shrunk = plan::shrunk(&tuning);
-            background.set_rate(if shrunk { None } else { tuning.background_bytes_per_s }, now);
-            flash_writes.set_rate(if shrunk { None } else { tuning.flash_write_bytes_per_s }, now);
-            let allowed =
-                Allowance { background: background.available(now), flash_writes: flash_writes.available(now) };
-            plan::plan(view, &tuning, draining, allowed)
-        };
+        let allowed = shared.allowance(&tuning, now);
+        let plan = plan::plan(pool_view(&daemon, &daemon.core.lock()), &tuning, draining, allowed);
         apply_budgets(&daemon, &plan, &mut last_release, now);
         daemon.release_quarantined();
         if now.duration_since(last_trim) >= crate::malloc::TRIM_INTERVAL {
@@ -123,7 +193,7 @@ pub fn tier_task(daemon: Arc<Daemon>) {
             scratch.wipe();
             match demoted {
                 Ok(moved) => {
-                    background.spend(moved);
+                    shared.rates.lock().background.spend(moved);
                     core.tier_counters.background_bytes += moved;
                     // Nothing left that may move (pinned, or no room below): wait for the next crossing.
                     draining &= moved > 0;
@@ -131,19 +201,42 @@ pub fn tier_task(daemon: Arc<Daemon>) {
                 Err(e) => tracing::warn!(error = %e, "background demotion from the device failed"),
             }
         }
-        if let (Some(flash), true) = (daemon.flash.as_ref(), plan.spill_dram > 0) {
-            let mut core = daemon.core.lock();
-            let victims =
-                tiering::pick_victims(&core, tiering::VictimTier::Dram, plan.spill_dram, &none, tiering::Need::Cold);
-            let before = dram_used(&core);
-            if let Err(e) = tiering::move_to_flash(&mut core, flash, &victims) {
-                tracing::warn!(error = %e, "background demotion to flash failed");
-            }
-            let moved = before.saturating_sub(dram_used(&core));
-            background.spend(moved);
-            flash_writes.spend(moved);
-            core.tier_counters.background_bytes += moved;
+        if plan.spill_dram > 0 {
+            shared.wake_flash();
         }
+    }
+}
+
+/// The flash drain, on a thread of its own (started only with a flash tier): keeps the DRAM pool
+/// under its high watermark by moving its coldest pages to flash, down to the low watermark, at
+/// the rates the mode allows. The core lock is held only to pick and copy the pages and to commit
+/// them ([`tiering::move_to_flash`]), so the tier mover compresses more pages into DRAM while
+/// these are sealed and written. Runs until the daemon shuts down.
+pub fn flash_task(daemon: Arc<Daemon>, shared: Arc<Shared>) {
+    let Some(flash) = daemon.flash.as_ref() else { return };
+    let none = std::collections::HashSet::new();
+    while !daemon.is_shutting_down() {
+        daemon.beat(crate::systemd::Loop::Flash);
+        shared.wait_flash();
+        let tuning = daemon.policy.lock().tuning();
+        let allowed = shared.allowance(&tuning, Instant::now());
+        let mut core = daemon.core.lock();
+        // The device drain is the tier mover's; only the DRAM watermark is acted on here.
+        let spill = plan::plan(pool_view(&daemon, &core), &tuning, false, allowed).spill_dram;
+        if spill == 0 {
+            continue;
+        }
+        let victims = tiering::pick_victims(&core, tiering::VictimTier::Dram, spill, &none, tiering::Need::Cold);
+        let before = dram_used(&core);
+        if let Err(e) = tiering::move_to_flash(&mut core, flash, &victims) {
+            tracing::warn!(error = %e, "background demotion to flash failed");
+        }
+        let moved = before.saturating_sub(dram_used(&core));
+        core.tier_counters.background_bytes += moved;
+        drop(core);
+        let mut rates = shared.rates.lock();
+        rates.background.spend(moved);
+        rates.flash_writes.spend(moved);
     }
 }
 

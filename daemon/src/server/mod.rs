@@ -240,11 +240,7 @@ pub async fn run(daemon: Arc<Daemon>, mut dir: RuntimeDir, passed: Vec<PassedFd>
         background.push(tokio::spawn(crate::migrate::compaction_task(daemon.clone(), interval)));
     }
     if daemon.config.tiers.any() {
-        let daemon = daemon.clone();
-        std::thread::Builder::new()
-            .name("kvmm-tiers".into())
-            .spawn(move || crate::migrate::tier_task(daemon))
-            .map_err(|e| Error::io("cannot start the tier thread", e))?;
+        crate::migrate::start(&daemon)?;
     }
     {
         let daemon = daemon.clone();
@@ -336,9 +332,14 @@ pub async fn run(daemon: Arc<Daemon>, mut dir: RuntimeDir, passed: Vec<PassedFd>
     Ok(())
 }
 
-/// The loops the watchdog watches: the policy loop always, the tier mover when tiers exist.
+/// The loops the watchdog watches: the policy loop always, the tier mover when tiers exist, the
+/// flash drain with a flash tier.
 fn watched_loops(daemon: &Daemon) -> Vec<Loop> {
-    if daemon.config.tiers.any() { vec![Loop::Tiers, Loop::Policy] } else { vec![Loop::Policy] }
+    match (daemon.config.tiers.any(), daemon.flash.is_some()) {
+        (true, true) => vec![Loop::Tiers, Loop::Flash, Loop::Policy],
+        (true, false) => vec![Loop::Tiers, Loop::Policy],
+        _ => vec![Loop::Policy],
+    }
 }
 
 /// Pings systemd every half interval while every watched loop beats; logs (once per stall) why
