@@ -93,7 +93,7 @@ pub struct Daemon {
     /// The I/O engine of the flash tier and why it is not the first choice, if it is not.
     pub io_engine: Option<(EngineKind, Option<String>)>,
     /// Wakes the tier task (a prefetch hint arrived, or memory is short).
-    pub tier_wanted: (std::sync::Mutex<bool>, std::sync::Condvar),
+    pub tier_wanted: crate::migrate::Wakeup,
     /// When the tier mover and the policy loop last went round (the watchdog feeds on them).
     pub heartbeats: crate::systemd::Heartbeats,
     /// The mode in force and what it sets. Taken after the core lock, never before it.
@@ -281,7 +281,7 @@ impl Daemon {
             started: Instant::now(),
             flash,
             io_engine,
-            tier_wanted: (std::sync::Mutex::new(false), std::sync::Condvar::new()),
+            tier_wanted: crate::migrate::Wakeup::default(),
             heartbeats: crate::systemd::Heartbeats::default(),
         }))
     }
@@ -343,9 +343,7 @@ impl Daemon {
 
     /// Wakes the tier task.
     pub fn wake_tiers(&self) {
-        let (flag, cv) = &self.tier_wanted;
-        *flag.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
-        cv.notify_one();
+        self.tier_wanted.wake();
     }
 
     /// Whether pages of new sessions get a sealing key: some tier below the device seals.

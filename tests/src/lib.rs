@@ -294,18 +294,24 @@ impl Daemon {
         })
     }
 
-    /// Every memfd the daemon holds open, read through `/proc/PID/fd` (arenas, session tables,
-    /// client regions), as (link name, bytes).
-    pub fn memfds(&self) -> Vec<(String, Vec<u8>)> {
+    /// Every memfd the daemon holds open (arenas, session tables, client regions), as (link name,
+    /// path under `/proc/PID/fd`).
+    fn memfd_paths(&self) -> Vec<(String, PathBuf)> {
         let dir = format!("/proc/{}/fd", self.pid());
         std::fs::read_dir(&dir)
             .unwrap()
             .filter_map(|e| {
                 let path = e.ok()?.path();
                 let link = std::fs::read_link(&path).ok()?.to_string_lossy().into_owned();
-                link.starts_with("/memfd:").then(|| std::fs::read(&path).ok().map(|b| (link, b)))?
+                link.starts_with("/memfd:").then_some((link, path))
             })
             .collect()
+    }
+
+    /// Every memfd the daemon holds open, read through `/proc/PID/fd` (arenas, session tables,
+    /// client regions), as (link name, bytes).
+    pub fn memfds(&self) -> Vec<(String, Vec<u8>)> {
+        self.memfd_paths().into_iter().filter_map(|(link, path)| std::fs::read(&path).ok().map(|b| (link, b))).collect()
     }
 
     /// Memory the daemon's memfds hold (allocated blocks, whoever touched the pages): what the
@@ -313,17 +319,7 @@ impl Daemon {
     /// mapping has faulted in.
     pub fn memfd_allocated(&self) -> u64 {
         use std::os::unix::fs::MetadataExt;
-        let dir = format!("/proc/{}/fd", self.pid());
-        std::fs::read_dir(&dir)
-            .unwrap()
-            .filter_map(|e| {
-                let path = e.ok()?.path();
-                let link = std::fs::read_link(&path).ok()?;
-                link.to_string_lossy()
-                    .starts_with("/memfd:")
-                    .then(|| std::fs::metadata(&path).ok().map(|m| m.blocks() * 512))?
-            })
-            .sum()
+        self.memfd_paths().iter().filter_map(|(_, path)| std::fs::metadata(path).ok().map(|m| m.blocks() * 512)).sum()
     }
 
     /// Device-tier bytes in use.

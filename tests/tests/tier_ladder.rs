@@ -430,6 +430,41 @@ fn frames_reserved_for_a_flash_read_are_accounted_while_it_runs() {
     assert!(daemon.stop().success());
 }
 
+/// A lossless daemon (configuration file `toml`, device, DRAM and flash budgets `budgets`, flash
+/// file in `flash`) whose first flash write pauses `pause_ms` after the core lock is released
+/// (fail point `flash-before-write`).
+fn start_with_a_paused_flash_write(flash: &std::path::Path, toml: &str, pause_ms: u32, budgets: [&str; 3]) -> Daemon {
+    let config = flash.join("kvmm.toml");
+    std::fs::write(&config, toml).unwrap();
+    let mut kvmmd = kvmm_tests::kvmmd_command();
+    kvmmd.env("KVMM_FAILPOINT", format!("flash-before-write:1:pause-{pause_ms}"));
+    let [device, dram, flash_budget] = budgets;
+    let args = [
+        "--config",
+        config.to_str().unwrap(),
+        "--device-budget",
+        device,
+        "--dram-budget",
+        dram,
+        "--flash-budget",
+        flash_budget,
+        "--flash-dir",
+        flash.to_str().unwrap(),
+        "--demote-format",
+        "none",
+    ];
+    Daemon::start_with(kvmmd, None, &args)
+}
+
+/// Waits until the paused fail point is reached; fails with `why()` after `limit`.
+fn wait_for_the_pause(daemon: &Daemon, limit: Duration, why: impl Fn() -> String) {
+    let started = std::time::Instant::now();
+    while !daemon.log().contains("kvmmd pauses here") {
+        assert!(started.elapsed() < limit, "{}", why());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// When a request needs device room and the DRAM pool is full, its pages go on to flash without the
 /// core lock: while one client's `Extend` waits on that write, others are served. The fail point
 /// pauses the write for 5 s with the lock released; a `Status` (which takes the core lock) must come
@@ -438,38 +473,19 @@ fn frames_reserved_for_a_flash_read_are_accounted_while_it_runs() {
 #[test]
 fn a_request_that_pushes_dram_pages_to_flash_does_not_hold_the_core_lock_during_the_write() {
     let flash = tempfile::tempdir().unwrap();
-    let config = flash.path().join("kvmm.toml");
-    std::fs::write(&config, "[tiers]\nhigh_watermark = 100\nlow_watermark = 99\n").unwrap();
-    let mut kvmmd = kvmm_tests::kvmmd_command();
-    kvmmd.env("KVMM_FAILPOINT", "flash-before-write:1:pause-5000");
-    let args = [
-        "--config",
-        config.to_str().unwrap(),
-        "--device-budget",
-        "2MiB",
-        "--dram-budget",
-        "512KiB",
-        "--flash-budget",
-        "16MiB",
-        "--flash-dir",
-        flash.path().to_str().unwrap(),
-        "--demote-format",
-        "none",
-    ];
-    let daemon = Daemon::start_with(kvmmd, None, &args);
+    let daemon = start_with_a_paused_flash_write(
+        flash.path(),
+        "[tiers]\nhigh_watermark = 100\nlow_watermark = 99\n",
+        5000,
+        ["2MiB", "512KiB", "16MiB"],
+    );
     // 8 layers × 1,200 tokens: 304 pages against about 80 device frames and 20 DRAM pages.
     let mut c =
         spawn_client("run", &daemon, &["--layers", "8", "--tokens", "1200", "--attend-every", "64", "--seed", "8"]);
 
-    let started = std::time::Instant::now();
-    while !daemon.log().contains("kvmmd pauses here") {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "no request pushed DRAM pages to flash:\n{}",
-            daemon.log()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_the_pause(&daemon, Duration::from_secs(60), || {
+        format!("no request pushed DRAM pages to flash:\n{}", daemon.log())
+    });
     let asked = std::time::Instant::now();
     let s = daemon.status();
     let waited = asked.elapsed();
@@ -501,39 +517,18 @@ fn a_request_that_pushes_dram_pages_to_flash_does_not_hold_the_core_lock_during_
 #[test]
 fn the_tier_mover_keeps_demoting_into_dram_while_the_flash_drain_writes() {
     let flash = tempfile::tempdir().unwrap();
-    let config = flash.path().join("kvmm.toml");
     // Balanced pinned: performance (the mode on a host without a battery) drains DRAM only past 95%.
-    std::fs::write(&config, "[tiers]\nhigh_watermark = 50\nlow_watermark = 25\n[policy]\nmode = \"balanced\"\n")
-        .unwrap();
-    let mut kvmmd = kvmm_tests::kvmmd_command();
-    kvmmd.env("KVMM_FAILPOINT", "flash-before-write:1:pause-6000");
-    let args = [
-        "--config",
-        config.to_str().unwrap(),
-        "--device-budget",
-        "4MiB",
-        "--dram-budget",
-        "8MiB",
-        "--flash-budget",
-        "32MiB",
-        "--flash-dir",
-        flash.path().to_str().unwrap(),
-        "--demote-format",
-        "none",
-    ];
-    let daemon = Daemon::start_with(kvmmd, None, &args);
+    let daemon = start_with_a_paused_flash_write(
+        flash.path(),
+        "[tiers]\nhigh_watermark = 50\nlow_watermark = 25\n[policy]\nmode = \"balanced\"\n",
+        6000,
+        ["4MiB", "8MiB", "32MiB"],
+    );
     let mut c =
         spawn_client("run", &daemon, &["--layers", "8", "--tokens", "1000", "--attend-every", "64", "--seed", "9"]);
-    let started = std::time::Instant::now();
-    while !daemon.log().contains("kvmmd pauses here") {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the DRAM pool was never drained: {:?}\n{}",
-            daemon.status(),
-            daemon.log()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_the_pause(&daemon, Duration::from_secs(30), || {
+        format!("the DRAM pool was never drained: {:?}\n{}", daemon.status(), daemon.log())
+    });
     let paused = std::time::Instant::now();
     let before = daemon.status();
     assert_eq!(before.demoted_to_flash, 0, "{before:?}");

@@ -60,8 +60,8 @@ const TIER_TICK: Duration = Duration::from_millis(20);
 #[derive(Debug)]
 pub struct Shared {
     rates: Mutex<Rates>,
-    /// Set (and notified) when the tier mover has put pages into DRAM.
-    flash_wanted: (std::sync::Mutex<bool>, std::sync::Condvar),
+    /// Woken when the tier mover finds the DRAM pool over its watermark.
+    flash_wanted: Wakeup,
 }
 
 #[derive(Debug)]
@@ -77,7 +77,7 @@ impl Shared {
                 background: RateLimit::new(tuning.background_bytes_per_s, now),
                 flash_writes: RateLimit::new(tuning.flash_write_bytes_per_s, now),
             }),
-            flash_wanted: Default::default(),
+            flash_wanted: Wakeup::default(),
         }
     }
 
@@ -90,19 +90,27 @@ impl Shared {
         rates.flash_writes.set_rate(if shrunk { None } else { tuning.flash_write_bytes_per_s }, now);
         Allowance { background: rates.background.available(now), flash_writes: rates.flash_writes.available(now) }
     }
+}
 
-    fn wake_flash(&self) {
-        let (flag, cv) = &self.flash_wanted;
-        *flag.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
-        cv.notify_one();
+/// A wake-up a background loop waits on: set by whoever has work for it, cleared when it wakes.
+#[derive(Debug, Default)]
+pub struct Wakeup {
+    wanted: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+impl Wakeup {
+    /// Wakes the loop (at once if it waits, else at its next wait).
+    pub fn wake(&self) {
+        *self.wanted.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+        self.cv.notify_one();
     }
 
-    /// Waits until woken or [`TIER_TICK`] passes.
-    fn wait_flash(&self) {
-        let (flag, cv) = &self.flash_wanted;
-        let mut wanted = flag.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    /// Waits until woken or `timeout` passes.
+    pub fn wait(&self, timeout: Duration) {
+        let mut wanted = self.wanted.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if !*wanted {
-            wanted = cv.wait_timeout(wanted, TIER_TICK).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
+            wanted = self.cv.wait_timeout(wanted, timeout).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
         }
         *wanted = false;
     }
@@ -155,14 +163,7 @@ pub fn tier_task(daemon: Arc<Daemon>, shared: Arc<Shared>) {
     let mut last_trim = Instant::now();
     while !daemon.is_shutting_down() {
         daemon.beat(crate::systemd::Loop::Tiers);
-        {
-            let (flag, cv) = &daemon.tier_wanted;
-            let mut wanted = flag.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if !*wanted {
-                wanted = cv.wait_timeout(wanted, TIER_TICK).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
-            }
-            *wanted = false;
-        }
+        daemon.tier_wanted.wait(TIER_TICK);
         let (tuning, demotion) = {
             let policy = daemon.policy.lock();
             (policy.tuning(), policy.demotion())
@@ -202,7 +203,7 @@ pub fn tier_task(daemon: Arc<Daemon>, shared: Arc<Shared>) {
             }
         }
         if plan.spill_dram > 0 {
-            shared.wake_flash();
+            shared.flash_wanted.wake();
         }
     }
 }
@@ -217,7 +218,7 @@ pub fn flash_task(daemon: Arc<Daemon>, shared: Arc<Shared>) {
     let none = std::collections::HashSet::new();
     while !daemon.is_shutting_down() {
         daemon.beat(crate::systemd::Loop::Flash);
-        shared.wait_flash();
+        shared.flash_wanted.wait(TIER_TICK);
         let tuning = daemon.policy.lock().tuning();
         let allowed = shared.allowance(&tuning, Instant::now());
         let mut core = daemon.core.lock();
@@ -226,9 +227,8 @@ pub fn flash_task(daemon: Arc<Daemon>, shared: Arc<Shared>) {
         if spill == 0 {
             continue;
         }
-        let victims = tiering::pick_victims(&core, tiering::VictimTier::Dram, spill, &none, tiering::Need::Cold);
         let before = dram_used(&core);
-        if let Err(e) = tiering::move_to_flash(&mut core, flash, &victims) {
+        if let Err(e) = tiering::spill_dram(&mut core, flash, spill, &none, tiering::Need::Cold) {
             tracing::warn!(error = %e, "background demotion to flash failed");
         }
         let moved = before.saturating_sub(dram_used(&core));

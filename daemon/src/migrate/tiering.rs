@@ -649,7 +649,7 @@ pub fn make_room(
             // DRAM is full (or absent): push its coldest pages to flash, then try again.
             let Some(flash) = flash else { return Ok(false) };
             let spill = victims.iter().filter_map(|r| footprint(core, *r)).sum::<u64>();
-            if spill_dram(core, flash, spill, protect)? == 0 {
+            if spill_dram(core, flash, spill, protect, Need::Waiting)? == 0 {
                 return Ok(false);
             }
         }
@@ -676,7 +676,7 @@ pub fn demote_coldest(
         && let Some(flash) = flash
     {
         let spill = victims.iter().filter_map(|r| footprint(core, *r)).sum::<u64>();
-        if spill_dram(core, flash, spill, &HashSet::new())? > 0 {
+        if spill_dram(core, flash, spill, &HashSet::new(), Need::Waiting)? > 0 {
             demote_to_dram(core, demotion, &victims, scratch)?;
         }
     }
@@ -701,14 +701,15 @@ pub fn move_to_flash(core: &mut MutexGuard<'_, Core>, flash: &Mutex<FlashFile>, 
 }
 
 /// Moves at least `bytes` of the coldest DRAM pages to flash ([`move_to_flash`]: the core lock is
-/// released during the I/O); returns pages moved.
+/// released during the I/O), chosen as `need` allows; returns pages moved.
 pub fn spill_dram(
     core: &mut MutexGuard<'_, Core>,
     flash: &Mutex<FlashFile>,
     bytes: u64,
     protect: &HashSet<PageRef>,
+    need: Need,
 ) -> Result<u32> {
-    let victims = pick_victims(core, VictimTier::Dram, bytes, protect, Need::Waiting);
+    let victims = pick_victims(core, VictimTier::Dram, bytes, protect, need);
     if victims.is_empty() {
         return Ok(0);
     }

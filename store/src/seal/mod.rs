@@ -21,8 +21,8 @@
 //! with VAES and VPCLMULQDQ, one pass that encrypts and hashes together). It replaced the `aes-gcm`
 //! crate, which makes two passes (CTR, then a 128-bit PCLMULQDQ GHASH) and sealed 4.4–5.1 GB/s
 //! per core here against ring's 9.1–11.0 GB/s in one session (`cargo bench -p kvmm-store --bench
-//! seal`). `aes-gcm`
-//! stays as a test-only reference: the tests check that both give the same ciphertext and tag.
+//! seal`). `aes-gcm` stays as a test-only reference: the tests check that both give the same
+//! ciphertext and tag.
 //!
 //! The caller stores the 16-byte tag and the nonce's slot and counter with the page's metadata;
 //! nothing else about the seal needs storing.
