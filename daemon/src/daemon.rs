@@ -70,6 +70,10 @@ pub struct Core {
     /// Device frames of destroyed sessions that their client still had pinned: zeroed, in `pool`'s
     /// accounting, in no page table, freed when the pin goes ([`Quarantine`]).
     pub quarantine: Quarantine,
+    /// DRAM pages a move to flash has taken and is sealing and writing (until it commits them):
+    /// no other move takes them meanwhile, so concurrent moves (the flash drain, a request making
+    /// room) neither write a page twice nor count its bytes as room twice.
+    pub outbound: HashSet<PageRef>,
 }
 
 /// The daemon: configuration, the locked core, and the shutdown flag.
@@ -274,6 +278,7 @@ impl Daemon {
                 metrics,
                 reserved: tiering::Reserved::default(),
                 quarantine: Quarantine::default(),
+                outbound: HashSet::new(),
             }),
             shutting_down: AtomicBool::new(false),
             draining: AtomicBool::new(false),

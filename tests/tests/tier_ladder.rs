@@ -507,6 +507,62 @@ fn a_request_that_pushes_dram_pages_to_flash_does_not_hold_the_core_lock_during_
     assert!(daemon.stop().success());
 }
 
+/// Two moves to flash running at once (the flash drain, and a request or the tier mover making
+/// room when DRAM is full) never take the same DRAM page: a page one of them is sealing and writing
+/// is outbound, and the other picks other pages. Before, both picked the coldest pages, so a page
+/// was written twice (one copy thrown away at commit) and counted as room twice. The first flash
+/// write is paused 3 s while the client's appends fill the device and DRAM (watermarks 50/25:
+/// device 80 frames, DRAM 20 pages; 8 layers × 1,200 tokens, 304 pages). With no attention (no
+/// faults, no promotions) and no session ending, every flash write must end in a committed move:
+/// flash `pages_in` equals `demoted_to_flash` once all is still.
+#[test]
+fn two_moves_to_flash_at_once_never_write_the_same_page_twice() {
+    let flash = tempfile::tempdir().unwrap();
+    let daemon = start_with_a_paused_flash_write(
+        flash.path(),
+        "[tiers]\nhigh_watermark = 50\nlow_watermark = 25\n[policy]\nmode = \"balanced\"\n",
+        3000,
+        ["2MiB", "512KiB", "16MiB"],
+    );
+    let mut c = spawn_client(
+        "run",
+        &daemon,
+        &["--layers", "8", "--tokens", "1200", "--attend-every", "1000000", "--seed", "10"],
+    );
+    wait_for_the_pause(&daemon, Duration::from_secs(60), || {
+        format!("no page was moved to flash: {:?}\n{}", daemon.status(), daemon.log())
+    });
+    let paused = std::time::Instant::now();
+    c.expect_line("appended");
+    // Still: the paused write is over and two readings 300 ms apart agree.
+    std::thread::sleep(Duration::from_millis(3000).saturating_sub(paused.elapsed()));
+    let mut last = daemon.status();
+    let s = loop {
+        std::thread::sleep(Duration::from_millis(300));
+        let s = daemon.status();
+        let key = |s: &kvmm_proto::v1::StatusResponse| (s.tiers[2].pages_in, s.demoted_to_flash, s.tiers[1].pages_in);
+        if key(&s) == key(&last) {
+            break s;
+        }
+        assert!(paused.elapsed() < Duration::from_secs(60), "the tiers never settled: {s:?}");
+        last = s;
+    };
+    assert!(s.demoted_to_flash > 0, "{s:?}");
+    assert_eq!(
+        s.tiers[2].pages_in,
+        s.demoted_to_flash,
+        "flash writes that ended in no move (a page written twice): {s:?}\n{}",
+        daemon.log()
+    );
+    eprintln!("flash pages written {}, moved {}", s.tiers[2].pages_in, s.demoted_to_flash);
+    c.send("check 2");
+    let checked = fields(&c.expect_line("checked"));
+    assert!(checked["worst_rel_err"].parse::<f64>().unwrap() <= 1e-5, "lossless ladder: {checked:?}");
+    c.send("exit");
+    c.expect_line("detached");
+    assert!(daemon.stop().success());
+}
+
 /// Background demotion into DRAM goes on while the flash drain seals and writes DRAM pages: the
 /// drain runs on a thread of its own, so the tier mover is not stuck behind its I/O. The first
 /// flash write is paused 6 s (fail point); meanwhile the client's appends push the device past its

@@ -11,7 +11,9 @@
 //!   [`take_from_dram`] copies the pages out of the pool (core lock), [`write_to_flash`] seals and
 //!   writes them (flash lock only), [`commit_to_flash`] switches every page that is still where it
 //!   was to its flash slot and frees the DRAM slot (core lock, then flash lock); a page promoted or
-//!   destroyed in between keeps its new state and its flash slot is returned.
+//!   destroyed in between keeps its new state and its flash slot is returned. From take to commit
+//!   the pages are in `Core::outbound`: another move to flash running meanwhile (the flash drain
+//!   and a request making room) neither picks nor takes them.
 //! - **Promotion**: DRAM pages are copied into a fresh frame under the core lock
 //!   ([`promote_from_dram`]); flash pages get their frame under the core lock ([`prepare_flash_reads`]),
 //!   are read and authenticated under the flash lock alone ([`read_from_flash`]) and published under
@@ -199,7 +201,8 @@ fn pick(
                 (VictimTier::Device, Place::Device(_)) | (VictimTier::Dram, Place::Dram(_))
             );
             let r = PageRef { session: s.id, layer, block };
-            if !wanted || protect.contains(&r) || (spare_hot && s.hot(layer, block, now)) {
+            let taken = from == VictimTier::Dram && core.outbound.contains(&r);
+            if !wanted || taken || protect.contains(&r) || (spare_hot && s.hot(layer, block, now)) {
                 continue;
             }
             let Ok(client) = s.region.entry(layer, block) else { continue };
@@ -359,20 +362,27 @@ pub struct Outbound {
     key: Arc<SessionKey>,
 }
 
-/// DRAM → flash, phase 1 (core lock): copies `pages` out of the pool. Pages whose session has no
-/// key (no flash tier was configured at attach) stay where they are.
+/// DRAM → flash, phase 1 (core lock): copies `pages` out of the pool and marks them outbound.
+/// Pages whose session has no key (no flash tier was configured at attach) stay where they are,
+/// and so do pages another move has taken (already outbound).
 fn take_from_dram(core: &mut Core, pages: &[PageRef]) -> Result<Vec<Outbound>> {
-    let Core { sessions, dram, tier_counters, .. } = core;
+    let Core { sessions, dram, tier_counters, outbound, .. } = core;
     let Some(dram) = dram.as_mut() else { return Ok(Vec::new()) };
     let mut out = Vec::with_capacity(pages.len());
     for &r in pages {
+        if outbound.contains(&r) {
+            continue;
+        }
         let Some(s) = sessions.get_unchecked(r.session) else { continue };
         let (Some(page), Some(key)) = (s.pages.page(r.layer, r.block), s.key.clone()) else { continue };
         let Place::Dram(slot) = page.place else { continue };
         let mut bytes = Zeroizing::new(vec![0u8; slot.len as usize]);
         let got = dram.get(&mut [PageRead { key: Some(&key), page: r.id(), slot, out: &mut bytes }]).remove(0);
         match got {
-            Ok(()) => out.push(Outbound { page: r, slot, bytes, key }),
+            Ok(()) => {
+                outbound.insert(r);
+                out.push(Outbound { page: r, slot, bytes, key });
+            }
             Err(e) if e.is_data_loss() => {
                 tier_counters.data_loss += 1;
                 tracing::error!(session = r.session, layer = r.layer, block = r.block, error = %e, "DRAM page lost");
@@ -398,9 +408,12 @@ fn commit_to_flash(
     out: Vec<Outbound>,
     written: Vec<Result<FlashSlot, TierError>>,
 ) -> u32 {
-    let Core { sessions, dram, tier_counters, .. } = core;
+    let Core { sessions, dram, tier_counters, outbound, .. } = core;
     let mut moved = 0;
     let mut orphans = Vec::new();
+    for o in &out {
+        outbound.remove(&o.page);
+    }
     for (o, w) in out.into_iter().zip(written) {
         let slot = match w {
             Ok(slot) => slot,
