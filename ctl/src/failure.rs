@@ -36,7 +36,7 @@ pub enum Failure {
     /// The socket exists but this user may not connect to it (mode 0660, owned by root and kvmmd's
     /// admin group).
     #[error(
-        "permission denied connecting to {}: run as root or as a member of kvmmd's admin group",
+        "permission denied connecting to {}: run as root, as the user kvmmd runs as, or as a member of kvmmd's admin group",
         .path.display()
     )]
     SocketPermission {

@@ -35,7 +35,7 @@ pub struct FileConfig {
     /// Device-tier budget: bytes (`1073741824`), a size with a unit (`512MiB`, `4GiB`, `2G`), or a
     /// percentage of `MemAvailable` at start-up (`25%`).
     pub device_budget: Option<ByteSize>,
-    /// Group (name or numeric gid) whose members may use the admin socket besides root.
+    /// Group (name or numeric gid) whose members may use the admin socket besides root and kvmmd's own user.
     pub admin_group: Option<String>,
     /// Lifetime of a one-time fd token, in milliseconds.
     pub fd_token_ttl_ms: Option<u64>,
@@ -312,7 +312,10 @@ impl Resolved {
             },
             format!("runtime_dir = {}", self.runtime_dir.display()),
             format!("device_budget = {}", size(self.device_budget)),
-            format!("admin_group = {}", self.admin_group.as_deref().unwrap_or("(none: root only)")),
+            format!(
+                "admin_group = {}",
+                self.admin_group.as_deref().unwrap_or("(none: root and kvmmd's own user only)")
+            ),
             format!("fd_token_ttl_ms = {}", self.fd_token_ttl.as_millis()),
             format!("compaction_interval_ms = {}", self.compaction_interval.map_or(0, |d| d.as_millis())),
             format!("log = {}", self.log),

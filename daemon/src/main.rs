@@ -22,7 +22,7 @@ struct Cli {
     /// Device-tier budget: bytes, a size such as 512MiB or 4GiB, or a percentage of MemAvailable [default: 25%].
     #[arg(long, value_name = "SIZE")]
     device_budget: Option<ByteSize>,
-    /// Group (name or gid) allowed on the admin socket besides root.
+    /// Group (name or gid) allowed on the admin socket besides root and kvmmd's own user.
     #[arg(long, value_name = "GROUP")]
     admin_group: Option<String>,
     /// Lifetime of the one-time fd token, in milliseconds [default: 10000].

@@ -4,7 +4,8 @@
 //! - the admin socket is `0660`: another uid cannot even connect;
 //! - with the socket opened to everyone (a misconfigured socket unit), every RPC still answers a
 //!   uid that is neither root nor in the admin group `PERMISSION_DENIED`, and nothing changes;
-//! - a member of the configured admin group is served.
+//! - a member of the configured admin group is served, and so is the uid kvmmd itself runs as (a
+//!   per-user daemon's user).
 //!
 //! Needs root (to run the caller as uid 65534 with `setpriv`); otherwise skipped with the reason.
 //!
@@ -92,6 +93,20 @@ fn a_member_of_the_admin_group_is_served() {
     let args = client_args("admin-all", &daemon, &["--admin-socket", socket.to_str().unwrap(), "--session", "7"]);
     // uid 65534 with gid 65534 (nogroup): the socket's group lets it connect, the service serves it.
     assert_member_served(&mut as_nobody(&args, Some("65534")));
+    assert!(daemon.stop().success());
+}
+
+/// A per-user kvmmd (here run as uid 65534) serves its own user's admin requests: `kvmmctl` works
+/// on the daemon a user started, with no admin group and no root.
+#[test]
+fn the_uid_kvmmd_runs_as_is_served() {
+    if !can_run_as_nobody() {
+        return;
+    }
+    let daemon = Daemon::start_with(kvmm_tests::kvmmd_command_as_nobody(), Some(65534), &["--device-budget", "64MiB"]);
+    let socket = daemon.dir().join("kvmm-admin.sock");
+    let args = client_args("admin-all", &daemon, &["--admin-socket", socket.to_str().unwrap(), "--session", "7"]);
+    assert_member_served(&mut as_nobody(&args, None));
     assert!(daemon.stop().success());
 }
 

@@ -387,7 +387,13 @@ fn take_from_dram(core: &mut Core, pages: &[PageRef]) -> Result<Vec<Outbound>> {
                 tier_counters.data_loss += 1;
                 tracing::error!(session = r.session, layer = r.layer, block = r.block, error = %e, "DRAM page lost");
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => {
+                // Nothing taken goes anywhere: the pages stay in DRAM, free for any move.
+                for o in &out {
+                    outbound.remove(&o.page);
+                }
+                return Err(e.into());
+            }
         }
     }
     Ok(out)
@@ -624,6 +630,10 @@ impl Room {
     }
 }
 
+/// How long [`make_room`] waits, the core lock released, when every DRAM page it could push to
+/// flash is already on its way there (another move's; at most 16 waits per call).
+const OUTBOUND_WAIT: Duration = Duration::from_millis(2);
+
 /// Demotes the coldest unprotected pages until `room` fits: to DRAM, and when DRAM is full its
 /// coldest pages to flash first. When the budget has the bytes but the arena's free space is cut
 /// into holes too small for the frames (pages of mixed formats), pages of that arena are demoted
@@ -663,7 +673,11 @@ pub fn make_room(
             let Some(flash) = flash else { return Ok(false) };
             let spill = victims.iter().filter_map(|r| footprint(core, *r)).sum::<u64>();
             if spill_dram(core, flash, spill, protect, Need::Waiting)? == 0 {
-                return Ok(false);
+                if core.outbound.is_empty() {
+                    return Ok(false);
+                }
+                // Another move is writing DRAM pages to flash: their room comes when it commits.
+                MutexGuard::unlocked(core, || std::thread::sleep(OUTBOUND_WAIT));
             }
         }
     }

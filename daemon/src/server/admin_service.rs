@@ -1,5 +1,7 @@
-//! `kvmm.v1.Admin` on `kvmm-admin.sock`: operator requests, served only to root and to members of the
-//! configured admin group (identity from `SO_PEERCRED`, supplementary groups from `/proc/PID/status`).
+//! `kvmm.v1.Admin` on `kvmm-admin.sock`: operator requests, served only to root, to the uid kvmmd
+//! itself runs as (the user of a per-user daemon, who could signal or trace it anyway) and to
+//! members of the configured admin group (identity from `SO_PEERCRED`, supplementary groups from
+//! `/proc/PID/status`).
 
 use std::sync::Arc;
 
@@ -28,7 +30,7 @@ impl AdminService {
     }
 
     fn authorize(&self, who: ConnInfo) -> Result<(), Error> {
-        if who.uid == 0 {
+        if who.uid == 0 || who.uid == rustix::process::geteuid().as_raw() {
             return Ok(());
         }
         if let Some(gid) = self.daemon.config.admin_gid
@@ -36,9 +38,10 @@ impl AdminService {
         {
             return Ok(());
         }
+        let daemon_uid = rustix::process::geteuid().as_raw();
         let group = match &self.daemon.config.admin_group {
-            Some(g) => format!("root or a member of the '{g}' group"),
-            None => "root (no admin_group is configured)".to_owned(),
+            Some(g) => format!("root, uid {daemon_uid} (kvmmd's own) or a member of the '{g}' group"),
+            None => format!("root or uid {daemon_uid} (kvmmd's own; no admin_group is configured)"),
         };
         Err(Error::PermissionDenied(format!("uid {} may not use the admin API; it is for {group}", who.uid)))
     }
