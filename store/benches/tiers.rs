@@ -8,8 +8,12 @@
 //!   background threads do it: the tier thread quantizes them to q8 into DRAM
 //!   (`kvmm_kernels::quantize`) while the flash drain copies the pages quantized so far out of DRAM
 //!   and `FlashFile::put`s them, in 4 steps of 16 MiB of f16; throughput counted in
-//!   f16 bytes and compared with the plain write of the f16 bytes (the pages as they are). The
-//!   quantize step alone is timed too and printed to stderr, to show how the arm's time splits.
+//!   f16 bytes and compared with the plain write of the f16 bytes (the pages as they are). Twice:
+//!   one batch alone (the pipeline fills at its start and drains at its end: the first step is
+//!   quantized with nothing to write yet, the last written with nothing left to quantize), and
+//!   [`LAPS`] batches back to back through the same pipeline, as the daemon's two threads run
+//!   while pressure lasts, against as many plain batch writes back to back. The quantize step
+//!   alone is timed too and printed to stderr, to show how the arm's time splits.
 //! - **read**: `FlashFile::get` of the batch (read, authenticate and decrypt, copy into each page's
 //!   buffer) vs reading the same bytes with `run_all`.
 //! - **get latency** of 1 page and of 32 adjacent pages (p50, p99 of single calls).
@@ -35,6 +39,12 @@ use kvmm_store::tier::{PageId, PageRead, PageWrite, Tier};
 
 const ROUNDS: usize = 31;
 const BATCH_BYTES: usize = 64 << 20;
+/// Batches the sustained demote arm runs through its pipeline back to back (and the plain arm
+/// writes back to back for it).
+const LAPS: usize = 4;
+/// Where in the file (in batches) the plain arms write and read: past the most the flash slots
+/// take (one sealed batch, and [`LAPS`] batches of q8, about half as large).
+const PLAIN_AT: usize = 1 + LAPS;
 
 /// Page shapes measured: SmolLM2-135M (3 KV heads × 64) and Llama-3-8B (8 KV heads × 128), 32 tokens.
 const SHAPES: [PageShape; 2] = [
@@ -65,9 +75,11 @@ const DEMOTE_STEPS: usize = 4;
 
 /// The demote arm: the daemon's two background stages as its two threads run them, overlapped. A
 /// second thread (the tier thread) quantizes the f16 pages to q8 into `dram`, a step of pages at a
-/// time ([`DEMOTE_STEPS`] in all), at most two steps ahead; this thread (the flash drain) copies each step out (as
-/// `take_from_dram` does under the core lock) and seals and writes it with one `put`. Returns the
-/// flash slots.
+/// time ([`DEMOTE_STEPS`] per batch), at most two steps ahead; this thread (the flash drain) copies
+/// each step out (as `take_from_dram` does under the core lock) and seals and writes it with one
+/// `put`. `laps` times over the batch without a pause (the steps' DRAM buffers reused, each taken
+/// under its lock). Returns the flash slots.
+#[allow(clippy::too_many_arguments)]
 fn demote(
     file: &mut FlashFile,
     shape: PageShape,
@@ -76,28 +88,38 @@ fn demote(
     outbound: &mut [Vec<u8>],
     ids: &[PageId],
     key: &SessionKey,
+    laps: usize,
 ) -> Vec<FlashSlot> {
-    let mut slots = Vec::with_capacity(pages.len());
+    let mut slots = Vec::with_capacity(pages.len() * laps);
     let step = pages.len().div_ceil(DEMOTE_STEPS);
+    let dram_steps: Vec<std::sync::Mutex<&mut [Vec<u8>]>> = dram.chunks_mut(step).map(std::sync::Mutex::new).collect();
+    let dram_steps = &dram_steps;
     std::thread::scope(|scope| {
-        let (ready, steps) = std::sync::mpsc::sync_channel::<&[Vec<u8>]>(2);
+        let (ready, steps) = std::sync::mpsc::sync_channel::<usize>(2);
         scope.spawn(move || {
-            for (dst, src) in dram.chunks_mut(step).zip(pages.chunks(step)) {
-                for (q8, page) in dst.iter_mut().zip(src) {
-                    quantize(shape, Format::F16, page, shape.block_tokens, Format::Q8, q8).expect("q8");
+            for lap in 0..laps {
+                for (k, src) in pages.chunks(step).enumerate() {
+                    let mut dst = dram_steps[k].lock().expect("a step buffer");
+                    for (q8, page) in dst.iter_mut().zip(src) {
+                        quantize(shape, Format::F16, page, shape.block_tokens, Format::Q8, q8).expect("q8");
+                    }
+                    drop(dst);
+                    ready.send(lap * DEMOTE_STEPS + k).expect("the drain takes every step");
                 }
-                ready.send(dst).expect("the drain takes every step");
             }
         });
-        let mut first = 0;
-        for (step, out) in steps.iter().zip(outbound.chunks_mut(step)) {
-            for (o, q8) in out.iter_mut().zip(step) {
+        for k in steps.iter() {
+            let k = k % DEMOTE_STEPS;
+            let first = k * step;
+            let dst = dram_steps[k].lock().expect("a step buffer");
+            let out = &mut outbound[first..first + dst.len()];
+            for (o, q8) in out.iter_mut().zip(dst.iter()) {
                 o.copy_from_slice(q8);
             }
+            drop(dst);
             let writes: Vec<PageWrite<'_>> =
                 out.iter().zip(&ids[first..]).map(|(b, &page)| PageWrite { key: Some(key), page, bytes: b }).collect();
             slots.extend(file.put(&writes).into_iter().map(|r| r.expect("flash write")));
-            first += out.len();
         }
     });
     slots
@@ -128,9 +150,9 @@ fn gbps(bytes: usize, t: Duration) -> f64 {
 fn main() {
     let dir = std::env::var_os("KVMM_BENCH_DIR").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
     println!(
-        "| engine | page bytes | pages | seal+write GB/s | plain write GB/s | ratio | q8 demote GB/s (f16 bytes) | ratio | read+open GB/s | plain read GB/s | ratio |"
+        "| engine | page bytes | pages | seal+write GB/s | plain write GB/s | ratio | q8 demote, one batch, GB/s (f16 bytes) | ratio | q8 demote, {LAPS} batches on, GB/s | ratio | read+open GB/s | plain read GB/s | ratio |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut latency_rows = Vec::new();
     // The cells, after one that runs unreported: whichever cell ran first often measured its plain
     // I/O faster than the same cell did later in the run (2026-12-01: pread with small pages run
@@ -145,8 +167,9 @@ fn main() {
         let buffers = IoBuffers::new(RUN_BYTES, 32).expect("staging buffers");
         let engine = probe(choice, 128, Some(Arc::clone(&buffers))).expect("engine").engine;
         let path = dir.join(format!("kvmm-bench-{}.flash", std::process::id()));
-        let mut file = FlashFile::create(&path, 4 * BATCH_BYTES as u64, Arc::clone(&engine), Some(buffers))
-            .expect("flash file in KVMM_BENCH_DIR");
+        let mut file =
+            FlashFile::create(&path, ((PLAIN_AT + LAPS) * BATCH_BYTES) as u64, Arc::clone(&engine), Some(buffers))
+                .expect("flash file in KVMM_BENCH_DIR");
         let raw = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -158,7 +181,7 @@ fn main() {
         let pages: Vec<Vec<u8>> = (0..pages_n).map(|i| f16_page(shape, i)).collect();
         let mut q8_pages: Vec<Vec<u8>> = vec![vec![0u8; shape.page_bytes(Format::Q8)]; pages_n];
         let mut outbound = q8_pages.clone();
-        let mut demote_w = Vec::new();
+        let (mut demote_w, mut stream_w, mut plain_stream_w) = (Vec::new(), Vec::new(), Vec::new());
         let mut quantize_w = Vec::new();
         let ids: Vec<PageId> = (0..pages_n as u32).map(|b| PageId { session: 1, layer: b % 30, block: b }).collect();
         let total = pages_n * FlashFile::extent_for(page_len) as usize;
@@ -169,14 +192,18 @@ fn main() {
         let mut slots: Vec<FlashSlot> = Vec::new();
         let mut outs: Vec<Vec<u8>> = pages.iter().map(|p| vec![0u8; p.len()]).collect();
         // The plain arms, timed.
-        let plain_write = |plain: &[u8]| {
+        // `laps` batches back to back, each with one submission, to consecutive batches of the file.
+        let plain_write = |plain: &[u8], laps: usize| {
             let t = Instant::now();
-            let mut requests: Vec<IoRequest<'_>> = plain
-                .chunks(RUN_BYTES)
-                .enumerate()
-                .map(|(i, b)| IoRequest::Write { offset: (2 * BATCH_BYTES + i * RUN_BYTES) as u64, buf: b })
-                .collect();
-            assert!(run_all(engine.as_ref(), raw.as_fd(), &mut requests).iter().all(Result::is_ok));
+            for lap in 0..laps {
+                let base = (PLAIN_AT + lap) * BATCH_BYTES;
+                let mut requests: Vec<IoRequest<'_>> = plain
+                    .chunks(RUN_BYTES)
+                    .enumerate()
+                    .map(|(i, b)| IoRequest::Write { offset: (base + i * RUN_BYTES) as u64, buf: b })
+                    .collect();
+                assert!(run_all(engine.as_ref(), raw.as_fd(), &mut requests).iter().all(Result::is_ok));
+            }
             t.elapsed()
         };
         let plain_read = |plain: &mut [u8]| {
@@ -184,7 +211,7 @@ fn main() {
             let mut requests: Vec<IoRequest<'_>> = plain
                 .chunks_mut(RUN_BYTES)
                 .enumerate()
-                .map(|(i, b)| IoRequest::Read { offset: (2 * BATCH_BYTES + i * RUN_BYTES) as u64, buf: b })
+                .map(|(i, b)| IoRequest::Read { offset: (PLAIN_AT * BATCH_BYTES + i * RUN_BYTES) as u64, buf: b })
                 .collect();
             assert!(run_all(engine.as_ref(), raw.as_fd(), &mut requests).iter().all(Result::is_ok));
             t.elapsed()
@@ -204,22 +231,15 @@ fn main() {
             quantize_w.push(t.elapsed());
             let plain_first = round % 2 == 1;
             if plain_first {
-                plain_w.push(plain_write(&plain));
+                plain_w.push(plain_write(&plain, 1));
             }
             let writes: Vec<PageWrite<'_>> =
                 pages.iter().zip(&ids).map(|(b, &page)| PageWrite { key: Some(&key), page, bytes: b }).collect();
             let t = Instant::now();
             slots = file.put(&writes).into_iter().map(|r| r.expect("flash write")).collect();
             sealed_w.push(t.elapsed());
-
-            let t = Instant::now();
-            let demoted = demote(&mut file, shape, &pages, &mut q8_pages, &mut outbound, &ids, &key);
-            demote_w.push(t.elapsed());
-            for slot in demoted {
-                file.free(slot);
-            }
             if !plain_first {
-                plain_w.push(plain_write(&plain));
+                plain_w.push(plain_write(&plain, 1));
             }
 
             if plain_first {
@@ -237,6 +257,21 @@ fn main() {
             if !plain_first {
                 plain_r.push(plain_read(&mut plain));
             }
+
+            if plain_first {
+                plain_stream_w.push(plain_write(&plain, LAPS));
+            }
+            for (laps, times) in [(1, &mut demote_w), (LAPS, &mut stream_w)] {
+                let t = Instant::now();
+                let demoted = demote(&mut file, shape, &pages, &mut q8_pages, &mut outbound, &ids, &key, laps);
+                times.push(t.elapsed());
+                for slot in demoted {
+                    file.free(slot);
+                }
+            }
+            if !plain_first {
+                plain_stream_w.push(plain_write(&plain, LAPS));
+            }
         }
         assert!(outs.iter().zip(&pages).all(|(a, b)| a == b));
         if !report {
@@ -248,6 +283,8 @@ fn main() {
         let write_ratio = paired_ratio(total, &sealed_w, plain_bytes, &plain_w);
         let demote_ratio = paired_ratio(total, &demote_w, plain_bytes, &plain_w);
         let demote_gbps = gbps(total, median(demote_w));
+        let stream_ratio = paired_ratio(LAPS * total, &stream_w, LAPS * plain_bytes, &plain_stream_w);
+        let stream_gbps = gbps(LAPS * total, median(stream_w));
         eprintln!(
             "{} {page_len}: quantize f16 -> q8 alone {:.2} GB/s of f16",
             engine.kind(),
@@ -257,7 +294,7 @@ fn main() {
         let (sw, pw, sr, pr) = (median(sealed_w), median(plain_w), median(sealed_r), median(plain_r));
         let (swg, pwg, srg, prg) = (gbps(total, sw), gbps(plain_bytes, pw), gbps(total, sr), gbps(plain_bytes, pr));
         println!(
-            "| {} | {page_len} | {pages_n} | {swg:.2} | {pwg:.2} | {:.2} | {demote_gbps:.2} | {demote_ratio:.2} | {srg:.2} | {prg:.2} | {:.2} |",
+            "| {} | {page_len} | {pages_n} | {swg:.2} | {pwg:.2} | {:.2} | {demote_gbps:.2} | {demote_ratio:.2} | {stream_gbps:.2} | {stream_ratio:.2} | {srg:.2} | {prg:.2} | {:.2} |",
             engine.kind(),
             write_ratio,
             read_ratio
