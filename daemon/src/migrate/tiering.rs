@@ -630,9 +630,13 @@ impl Room {
     }
 }
 
-/// How long [`make_room`] waits, the core lock released, when every DRAM page it could push to
-/// flash is already on its way there (another move's; at most 16 waits per call).
-const OUTBOUND_WAIT: Duration = Duration::from_millis(2);
+/// When every DRAM page [`make_room`] could push to flash is already on its way there (another
+/// move's), it looks again every [`OUTBOUND_POLL`], the core lock released, until that move
+/// commits, for at most [`OUTBOUND_PATIENCE`] each time.
+const OUTBOUND_POLL: Duration = Duration::from_millis(2);
+/// See [`OUTBOUND_POLL`]: about as long as a watermark band of a large DRAM pool takes to write to
+/// slow flash.
+const OUTBOUND_PATIENCE: Duration = Duration::from_secs(2);
 
 /// Demotes the coldest unprotected pages until `room` fits: to DRAM, and when DRAM is full its
 /// coldest pages to flash first. When the budget has the bytes but the arena's free space is cut
@@ -676,8 +680,13 @@ pub fn make_room(
                 if core.outbound.is_empty() {
                     return Ok(false);
                 }
-                // Another move is writing DRAM pages to flash: their room comes when it commits.
-                MutexGuard::unlocked(core, || std::thread::sleep(OUTBOUND_WAIT));
+                // Another move is writing DRAM pages to flash: their room comes when it commits
+                // (as long as that write takes, which on slow flash is a while).
+                let (before, since) = (core.outbound.len(), Instant::now());
+                while !core.outbound.is_empty() && core.outbound.len() >= before && since.elapsed() < OUTBOUND_PATIENCE
+                {
+                    MutexGuard::unlocked(core, || std::thread::sleep(OUTBOUND_POLL));
+                }
             }
         }
     }
