@@ -632,7 +632,7 @@ impl Room {
 
 /// When every DRAM page [`make_room`] could push to flash is already on its way there (another
 /// move's), it looks again every [`OUTBOUND_POLL`], the core lock released, until that move
-/// commits, for at most [`OUTBOUND_PATIENCE`] each time.
+/// commits; after [`OUTBOUND_PATIENCE`] without a commit it gives up.
 const OUTBOUND_POLL: Duration = Duration::from_millis(2);
 /// See [`OUTBOUND_POLL`]: about as long as a watermark band of a large DRAM pool takes to write to
 /// slow flash.
@@ -683,8 +683,10 @@ pub fn make_room(
                 // Another move is writing DRAM pages to flash: their room comes when it commits
                 // (as long as that write takes, which on slow flash is a while).
                 let (before, since) = (core.outbound.len(), Instant::now());
-                while !core.outbound.is_empty() && core.outbound.len() >= before && since.elapsed() < OUTBOUND_PATIENCE
-                {
+                while !core.outbound.is_empty() && core.outbound.len() >= before {
+                    if since.elapsed() >= OUTBOUND_PATIENCE {
+                        return Ok(room.fits(core));
+                    }
                     MutexGuard::unlocked(core, || std::thread::sleep(OUTBOUND_POLL));
                 }
             }
