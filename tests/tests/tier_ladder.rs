@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use kvmm_proto::v1::Tier;
-use kvmm_tests::{Daemon, admin_status, fields, spawn_client};
+use kvmm_tests::{Daemon, Worker, admin_status, fields, spawn_client};
 
 /// A SmolLM2-shaped f16 page: 3 KV heads × 64 channels × 32 tokens, with header and bounds.
 const PAGE_BYTES: u64 = 25_408;
@@ -456,6 +456,14 @@ fn start_with_a_paused_flash_write(flash: &std::path::Path, toml: &str, pause_ms
     Daemon::start_with(kvmmd, None, &args)
 }
 
+/// Has the client check its last two steps' outputs against its reference and asserts the worst
+/// relative error is at most `max`.
+fn check_within(c: &mut Worker, max: f64) {
+    c.send("check 2");
+    let checked = fields(&c.expect_line("checked"));
+    assert!(checked["worst_rel_err"].parse::<f64>().unwrap() <= max, "worst error over {max}: {checked:?}");
+}
+
 /// Waits until the paused fail point is reached; fails with `why()` after `limit`.
 fn wait_for_the_pause(daemon: &Daemon, limit: Duration, why: impl Fn() -> String) {
     let started = std::time::Instant::now();
@@ -496,9 +504,7 @@ fn a_request_that_pushes_dram_pages_to_flash_does_not_hold_the_core_lock_during_
 
     // The paused write completes, the client finishes its appends and its checks hold.
     c.expect_line("appended");
-    c.send("check 2");
-    let checked = fields(&c.expect_line("checked"));
-    assert!(checked["worst_rel_err"].parse::<f64>().unwrap() <= 1e-3, "{checked:?}");
+    check_within(&mut c, 1e-3);
     let s = daemon.status();
     assert!(s.tiers[2].pages > 0, "pages reached flash: {s:?}");
     assert_eq!(s.tiers[0].used_bytes, s.session_bytes + s.tiers[0].reserved_bytes, "{s:?}");
@@ -555,9 +561,7 @@ fn two_moves_to_flash_at_once_never_write_the_same_page_twice() {
         daemon.log()
     );
     eprintln!("flash pages written {}, moved {}", s.tiers[2].pages_in, s.demoted_to_flash);
-    c.send("check 2");
-    let checked = fields(&c.expect_line("checked"));
-    assert!(checked["worst_rel_err"].parse::<f64>().unwrap() <= 1e-5, "lossless ladder: {checked:?}");
+    check_within(&mut c, 1e-5);
     c.send("exit");
     c.expect_line("detached");
     assert!(daemon.stop().success());
@@ -611,9 +615,7 @@ fn the_tier_mover_keeps_demoting_into_dram_while_the_flash_drain_writes() {
     c.expect_line("appended");
     let (s, _) = daemon.wait_status(Duration::from_secs(20), |s| s.demoted_to_flash > 0);
     assert!(s.demoted_to_flash > 0, "{s:?}");
-    c.send("check 2");
-    let checked = fields(&c.expect_line("checked"));
-    assert!(checked["worst_rel_err"].parse::<f64>().unwrap() <= 1e-5, "lossless ladder: {checked:?}");
+    check_within(&mut c, 1e-5);
     let s = daemon.status();
     assert_eq!(s.tiers[0].used_bytes, s.session_bytes + s.tiers[0].reserved_bytes, "{s:?}");
     c.send("exit");

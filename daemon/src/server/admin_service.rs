@@ -30,7 +30,8 @@ impl AdminService {
     }
 
     fn authorize(&self, who: ConnInfo) -> Result<(), Error> {
-        if who.uid == 0 || who.uid == rustix::process::geteuid().as_raw() {
+        let daemon_uid = rustix::process::geteuid().as_raw();
+        if who.uid == 0 || who.uid == daemon_uid {
             return Ok(());
         }
         if let Some(gid) = self.daemon.config.admin_gid
@@ -38,7 +39,6 @@ impl AdminService {
         {
             return Ok(());
         }
-        let daemon_uid = rustix::process::geteuid().as_raw();
         let group = match &self.daemon.config.admin_group {
             Some(g) => format!("root, uid {daemon_uid} (kvmmd's own) or a member of the '{g}' group"),
             None => format!("root or uid {daemon_uid} (kvmmd's own; no admin_group is configured)"),
