@@ -90,7 +90,17 @@ fn every_kernel_refuses_nan_infinite_and_out_of_range_elements_and_ignores_slots
     let row = shape.kv_heads * shape.head_dim;
     let at = |t: usize, h: usize, d: usize| t * row + h * shape.head_dim + d;
     let mut dst = vec![0u8; shape.page_bytes(Format::Q8)];
-    for (bad, shown) in [(f32::NAN, "NaN"), (f32::INFINITY, "inf"), (f32::NEG_INFINITY, "-inf"), (70000.0, "70144")] {
+    // bf16 holds finite values beyond the f16 range; f16 does not (70000 would be stored as inf).
+    let cases = [
+        (Format::Bf16, f32::NAN, "NaN"),
+        (Format::Bf16, f32::INFINITY, "inf"),
+        (Format::Bf16, f32::NEG_INFINITY, "-inf"),
+        (Format::Bf16, 70000.0, "70144"),
+        (Format::F16, f32::NAN, "NaN"),
+        (Format::F16, f32::INFINITY, "inf"),
+        (Format::F16, f32::NEG_INFINITY, "-inf"),
+    ];
+    for (from, bad, shown) in cases {
         for (key, t, h, d) in [(true, 19, 1, 37), (false, 3, 0, 50), (false, 17, 1, 0)] {
             let (mut k, mut v) = (vec![0.25f32; 32 * row], vec![-0.5f32; 32 * row]);
             // Slot 25 lies past the 20 quantized tokens: nothing there is read.
@@ -100,24 +110,24 @@ fn every_kernel_refuses_nan_infinite_and_out_of_range_elements_and_ignores_slots
             } else {
                 v[at(t, h, d)] = bad
             }
-            let mut src = vec![0u8; shape.page_bytes(Format::Bf16)];
-            init_page(shape, Format::Bf16, &mut src).unwrap();
-            write_rows(shape, Format::Bf16, &mut src, 0, &k, &v).unwrap();
+            let mut src = vec![0u8; shape.page_bytes(from)];
+            init_page(shape, from, &mut src).unwrap();
+            write_rows(shape, from, &mut src, 0, &k, &v).unwrap();
             let which = if key { "key" } else { "value" };
             let want = format!("the {which} at token {t}, KV head {h}, channel {d} is {shown},");
             for isa in Isa::available() {
-                let err = quantize_with(isa, shape, Format::Bf16, &src, 20, Format::Q8, &mut dst).unwrap_err();
-                assert_eq!(err.kind(), KernelErrorKind::BadValue, "{isa}");
-                assert!(err.to_string().starts_with(&want), "{isa}: {err}");
+                let err = quantize_with(isa, shape, from, &src, 20, Format::Q8, &mut dst).unwrap_err();
+                assert_eq!(err.kind(), KernelErrorKind::BadValue, "{isa} {from:?}");
+                assert!(err.to_string().starts_with(&want), "{isa} {from:?}: {err}");
             }
             if key {
                 k[at(t, h, d)] = 0.25
             } else {
                 v[at(t, h, d)] = -0.5
             }
-            write_rows(shape, Format::Bf16, &mut src, 0, &k, &v).unwrap();
+            write_rows(shape, from, &mut src, 0, &k, &v).unwrap();
             for isa in Isa::available() {
-                quantize_with(isa, shape, Format::Bf16, &src, 20, Format::Q8, &mut dst).unwrap();
+                quantize_with(isa, shape, from, &src, 20, Format::Q8, &mut dst).unwrap();
             }
         }
     }
@@ -294,19 +304,25 @@ fn bf16_sources_round_through_their_own_values() {
 fn a_group_holding_both_zeros_gets_the_same_bytes_from_every_kernel() {
     // Found by the property test: the scalar min kept −0.0 where the vector reduction kept +0.0,
     // so the stored min's sign bit differed. Both zeros now count as +0.
+    // The vector kernels order 16-bit patterns as integers, where −0 lies below +0: the same bytes
+    // still, from both source formats and for both zeros alone.
     let shape = PageShape { kv_heads: 1, head_dim: 16, block_tokens: 16 };
-    let mut src = vec![0u8; shape.page_bytes(Format::Bf16)];
-    init_page(shape, Format::Bf16, &mut src).unwrap();
-    let k: Vec<f32> = (0..16).flat_map(|t| [if t % 2 == 0 { -0.0 } else { 0.0 }; 16]).collect();
-    write_rows(shape, Format::Bf16, &mut src, 0, &k, &k).unwrap();
-    let mut want = vec![0u8; shape.page_bytes(Format::Q2)];
-    quantize_with(Isa::Scalar, shape, Format::Bf16, &src, 16, Format::Q2, &mut want).unwrap();
-    let q = QuantLayout::new(shape, Format::Q2).unwrap();
-    assert_eq!(&want[q.k_param(0, 0)..q.k_param(0, 0) + 4], &[0, 0, 0, 0], "scale +0, min +0");
-    for isa in Isa::available() {
-        let mut got = vec![0u8; shape.page_bytes(Format::Q2)];
-        quantize_with(isa, shape, Format::Bf16, &src, 16, Format::Q2, &mut got).unwrap();
-        assert_eq!(got, want, "{isa}");
+    let mixed: Vec<f32> = (0..16).flat_map(|t| [if t % 2 == 0 { -0.0 } else { 0.0 }; 16]).collect();
+    for from in [Format::Bf16, Format::F16] {
+        for k in [mixed.clone(), vec![-0.0; 256], vec![0.0; 256]] {
+            let mut src = vec![0u8; shape.page_bytes(from)];
+            init_page(shape, from, &mut src).unwrap();
+            write_rows(shape, from, &mut src, 0, &k, &k).unwrap();
+            let mut want = vec![0u8; shape.page_bytes(Format::Q2)];
+            quantize_with(Isa::Scalar, shape, from, &src, 16, Format::Q2, &mut want).unwrap();
+            let q = QuantLayout::new(shape, Format::Q2).unwrap();
+            assert_eq!(&want[q.k_param(0, 0)..q.k_param(0, 0) + 4], &[0, 0, 0, 0], "scale +0, min +0");
+            for isa in Isa::available() {
+                let mut got = vec![0u8; shape.page_bytes(Format::Q2)];
+                quantize_with(isa, shape, from, &src, 16, Format::Q2, &mut got).unwrap();
+                assert_eq!(got, want, "{isa} {from:?}");
+            }
+        }
     }
 }
 

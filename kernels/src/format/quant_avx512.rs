@@ -1,9 +1,13 @@
 //! AVX-512 quantize and dequantize: the same bytes and floats as the scalar code of `quant.rs`.
 //!
 //! **Quantize**, per KV head: keys 16 channels at a time (each channel's tokens are contiguous in
-//! the channel-major source, so a group's min and max are two vector loads and a reduction), then
-//! the parameters of those 16 groups at once, then each channel's codes; values one 32-channel
-//! group at a time for 16 tokens (their parameter pairs are 64 contiguous bytes, group-major).
+//! the channel-major source, so a group's min and max are one vector load per 32 tokens and a
+//! reduction), then the parameters of those 16 groups at once, then each channel's codes; values
+//! one 32-channel group at a time for 16 tokens (their parameter pairs are 64 contiguous bytes,
+//! group-major). The min and max are found on the raw 16-bit patterns, 32 lanes a vector, mapped to
+//! integers in the order of their values (no conversion to f32 in that pass; a NaN comes out as
+//! the smallest or largest, so the range check catches it), and only the 16 results converted.
+//! 8-bit codes are clamped and packed by one saturating narrowing.
 //!
 //! The parameters follow the rounding rule of `quant.rs` exactly, with directed-rounding
 //! instructions instead of the scalar search: `min` = `vcvtps2ph` toward −∞; `scale` = the f16
@@ -51,6 +55,59 @@ unsafe fn load_wide(src: *const u8, mask: __mmask16, bf16: bool) -> __m512 {
     if bf16 { _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw))) } else { _mm512_cvtph_ps(raw) }
 }
 
+/// The 16-bit patterns of `x` (f16 or bf16, sign and magnitude) as i16 in the order of their values:
+/// negative patterns have their magnitude bits flipped. −0 sorts just below +0 and NaN beyond ±∞.
+/// The map is its own inverse.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn sortable(x: __m512i) -> __m512i {
+    // x ^ (sign mask & 0x7fff) in one ternary-logic operation (A ^ (B & C) is 0x78).
+    _mm512_ternarylogic_epi32::<0x78>(x, _mm512_srai_epi16::<15>(x), _mm512_set1_epi16(0x7fff))
+}
+
+/// The smallest and largest value of the lanes in `mask` of `count` 32-lane rows of 16-bit elements
+/// in sortable order ([`sortable`]): `row(i)` for `i < count`; rows from `count` to 16 fold nothing
+/// and give +0.
+///
+/// # Safety
+///
+/// For each `i < count`, the `mask` lanes of 2-byte elements from `row(i)` must be readable; the CPU
+/// must support the enabled features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn row_bounds(
+    count: usize,
+    vectors: usize,
+    mask: impl Fn(usize) -> __mmask32,
+    row: impl Fn(usize) -> *const u8,
+) -> ([__m512; LANES], [__m512; LANES]) {
+    let (mut lows, mut highs) = ([_mm512_setzero_ps(); LANES], [_mm512_setzero_ps(); LANES]);
+    for i in 0..count {
+        let (mut low, mut high) = (_mm512_set1_epi16(i16::MAX), _mm512_set1_epi16(i16::MIN));
+        for j in 0..vectors {
+            let m = mask(j);
+            // SAFETY: the caller guarantees the `m` lanes of vector `j` of row `i`.
+            let x = sortable(unsafe { _mm512_maskz_loadu_epi16(m, row(i).add(64 * j).cast()) });
+            low = _mm512_mask_min_epi16(low, m, low, x);
+            high = _mm512_mask_max_epi16(high, m, high, x);
+        }
+        (lows[i], highs[i]) = (_mm512_castsi512_ps(low), _mm512_castsi512_ps(high));
+    }
+    (lows, highs)
+}
+
+/// Lane `i` of the result is the value of the 16-bit pattern `op` folds from the 32 sortable
+/// lanes of `v[i]` ([`row_bounds`]), as f32.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+fn fold_rows(v: &[__m512; LANES], op: impl Fn(__m512i, __m512i) -> __m512i + Copy, bf16: bool) -> __m512 {
+    let folded = reduce16(v, |a, b| _mm512_castsi512_ps(op(_mm512_castps_si512(a), _mm512_castps_si512(b))));
+    // Each dword now holds two 16-bit candidates of its row: fold them into the low half.
+    let pair = _mm512_castps_si512(folded);
+    let bits = sortable(op(pair, _mm512_srli_epi32::<16>(pair)));
+    if bf16 { _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits)) } else { _mm512_cvtph_ps(_mm512_cvtepi32_epi16(bits)) }
+}
+
 /// Lane `i` of the result is `op` folded over the 16 lanes of `v[i]`: sixteen horizontal
 /// reductions in 15 two-shuffle steps (halves, quarters, pairs, single lanes) instead of sixteen
 /// separate ones. `op` is min or max, so the order of folding does not change the result.
@@ -78,8 +135,9 @@ fn reduce16(v: &[__m512; LANES], op: impl Fn(__m512, __m512) -> __m512) -> __m51
     singles(pairs(s[0], s[1]), pairs(s[2], s[3]))
 }
 
-/// Whether groups with smallest values `lo` and largest `hi`, none of whose elements was NaN, can
-/// be quantized: every element finite and within ±65504.
+/// Whether groups with smallest values `lo` and largest `hi` can be quantized: every element finite
+/// and within ±65504 (a NaN among the elements is the smallest or largest in sortable order, and
+/// fails both ordered comparisons).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 fn in_range(lo: __m512, hi: __m512) -> bool {
@@ -118,33 +176,37 @@ fn group_params(lo: __m512, hi: __m512, levels: f32) -> (__m512i, __m512, __m512
     (pairs, min, inv)
 }
 
-/// Codes of the 16 lanes of `x` (lanes outside `mask` get 0): `min(levels, floor((x − min) × inv
-/// + 0.5))`, the scalar operations in the scalar order.
+/// `floor((x − min) × inv + 0.5)` of the 16 lanes of `x`, the scalar operations in the scalar order,
+/// as u32 (the code before the clamp to `2^B − 1` that [`pack16`] applies).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn encode16(x: __m512, min: __m512, inv: __m512, levels: u32, mask: __mmask16) -> __m512i {
+fn encode16(x: __m512, min: __m512, inv: __m512) -> __m512i {
     let y = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(x, min), inv), _mm512_set1_ps(0.5));
     // One conversion rounding toward −∞ is the floor and the conversion (y ≥ 0.5 is never negative;
-    // beyond u32 both give u32::MAX, which the min with `levels` clamps).
-    let floor = _mm512_cvt_roundps_epu32::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(y);
-    let codes = _mm512_min_epu32(floor, _mm512_set1_epi32(levels as i32));
-    _mm512_maskz_mov_epi32(mask, codes)
+    // beyond u32 it gives u32::MAX, which the clamp brings to the top code).
+    _mm512_cvt_roundps_epu32::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(y)
 }
 
-/// Stores 16 codes (each `< 2^B`, one per dword lane) packed `B` bits each, lowest first: `2 × B`
-/// bytes at `dst`.
+/// Stores the 16 codes `min(2^B − 1, floor)` (lanes outside `mask` 0) packed `B` bits each, lowest
+/// first: `2 × B` bytes at `dst`.
 ///
 /// # Safety
 ///
 /// `dst` must be valid for writing `2 × B` bytes; the CPU must support the enabled features.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn pack16<const B: usize>(codes: __m512i, dst: *mut u8) {
+unsafe fn pack16<const B: usize>(floor: __m512i, mask: __mmask16, dst: *mut u8) {
+    if B == 8 {
+        // One saturating narrowing is the clamp to 255 and the packing.
+        // SAFETY: the caller guarantees 16 writable bytes.
+        unsafe { _mm_storeu_si128(dst.cast(), _mm512_maskz_cvtusepi32_epi8(mask, floor)) };
+        return;
+    }
+    let codes = _mm512_maskz_mov_epi32(mask, _mm512_min_epu32(floor, _mm512_set1_epi32((1 << B) - 1)));
     let bytes = _mm512_cvtepi32_epi8(codes);
     // SAFETY: the caller guarantees `2 × B` writable bytes; each arm's store writes that many.
     unsafe {
         match B {
-            8 => _mm_storeu_si128(dst.cast(), bytes),
             4 => {
                 // 16-bit lane = b0 | b1 << 8, b ≤ 15: b0 | (b1 << 4), then one byte per lane.
                 let pairs = _mm_or_si128(_mm_and_si128(bytes, _mm_set1_epi16(0xff)), _mm_srli_epi16::<4>(bytes));
@@ -209,32 +271,27 @@ unsafe fn quantize_in<const KB: usize, const VB: usize>(
         let left = tokens - LANES * j;
         if left >= LANES { !0 } else { ((1u32 << left) - 1) as __mmask16 }
     };
+    // The first pass reads 32 elements a vector, as 16-bit patterns.
+    let wide_vectors = tokens.div_ceil(2 * LANES);
+    let wide_mask = |j: usize| -> __mmask32 {
+        let left = tokens - 2 * LANES * j;
+        if left >= 2 * LANES { !0 } else { (1u32 << left) - 1 }
+    };
     let (src, out) = (src.as_ptr(), dst.as_mut_ptr());
     // Source rows, computed once: key channel rows of `block` elements, value token rows of `dim`.
     let (k_rows, v_rows) = (shape.k_byte(0, 0, 0), shape.v_byte(0, 0, 0));
     let k_row = |h: usize, d: usize| src.wrapping_add(k_rows + 2 * (h * dim + d) * block);
     let v_row = |h: usize, t: usize, c: usize| src.wrapping_add(v_rows + 2 * ((h * block + t) * dim + c));
+    let min16 = |a, b| _mm512_min_epi16(a, b);
+    let max16 = |a, b| _mm512_max_epi16(a, b);
 
     for h in 0..shape.kv_heads {
         for d0 in (0..dim).step_by(LANES) {
-            let (mut lows, mut highs) = ([_mm512_setzero_ps(); LANES], [_mm512_setzero_ps(); LANES]);
-            let mut nan: __mmask16 = 0;
-            for i in 0..LANES {
-                let row = k_row(h, d0 + i);
-                let (mut low, mut high) = (_mm512_set1_ps(f32::INFINITY), _mm512_set1_ps(f32::NEG_INFINITY));
-                for j in 0..vectors {
-                    // SAFETY: channel `d0 + i < dim` of head `h`: lanes of tokens `< tokens ≤ block`
-                    // of its row inside the source's K region.
-                    let x = unsafe { load_wide(row.add(32 * j), mask(j), bf16) };
-                    nan |= _mm512_mask_cmp_ps_mask::<_CMP_UNORD_Q>(mask(j), x, x);
-                    low = _mm512_mask_min_ps(low, mask(j), low, x);
-                    high = _mm512_mask_max_ps(high, mask(j), high, x);
-                }
-                (lows[i], highs[i]) = (low, high);
-            }
-            let (low, high) =
-                (reduce16(&lows, |a, b| _mm512_min_ps(a, b)), reduce16(&highs, |a, b| _mm512_max_ps(a, b)));
-            if nan != 0 || !in_range(low, high) {
+            // SAFETY: channels `d0..d0 + 16 ≤ dim` of head `h`: lanes of tokens `< tokens ≤ block` of
+            // their rows inside the source's K region.
+            let (lows, highs) = unsafe { row_bounds(LANES, wide_vectors, wide_mask, |i| k_row(h, d0 + i)) };
+            let (low, high) = (fold_rows(&lows, min16, bf16), fold_rows(&highs, max16, bf16));
+            if !in_range(low, high) {
                 return Err(Unencodable);
             }
             let (pairs, min, inv) = group_params(low, high, k_levels as f32);
@@ -251,11 +308,11 @@ unsafe fn quantize_in<const KB: usize, const VB: usize>(
                 let codes = out.wrapping_add(layout.k_codes(h) + (d0 + i) * layout.k_row_bytes());
                 let (min, inv) = (_mm512_set1_ps(mins[i]), _mm512_set1_ps(invs[i]));
                 for j in 0..vectors {
-                    // SAFETY: as for the first pass; the codes of tokens `16j..16j + 16 ≤ block` of
-                    // this channel's row, `2 × KB` bytes.
+                    // SAFETY: the lanes of tokens `< tokens` of this channel's row, as in the first
+                    // pass; the codes of tokens `16j..16j + 16 ≤ block` of its row, `2 × KB` bytes.
                     unsafe {
                         let x = load_wide(row.add(32 * j), mask(j), bf16);
-                        pack16::<KB>(encode16(x, min, inv, k_levels, mask(j)), codes.add(2 * KB * j));
+                        pack16::<KB>(encode16(x, min, inv), mask(j), codes.add(2 * KB * j));
                     }
                 }
             }
@@ -264,27 +321,15 @@ unsafe fn quantize_in<const KB: usize, const VB: usize>(
         for g in 0..layout.v_groups() {
             let c0 = g * V_GROUP;
             let width = (dim - c0).min(V_GROUP);
+            let row_mask = if width >= 2 * LANES { !0 } else { (1u32 << width) - 1 };
             for t0 in (0..tokens).step_by(LANES) {
                 let count = (tokens - t0).min(LANES);
-                // Token slots past `count` fold zeros: their parameters are computed and not stored.
-                let (mut lows, mut highs) = ([_mm512_setzero_ps(); LANES], [_mm512_setzero_ps(); LANES]);
-                let mut nan: __mmask16 = 0;
-                for i in 0..count {
-                    let row = v_row(h, t0 + i, c0);
-                    let (mut low, mut high) = (_mm512_set1_ps(f32::INFINITY), _mm512_set1_ps(f32::NEG_INFINITY));
-                    for j in 0..width / LANES {
-                        // SAFETY: channels `c0 + 16j .. + 16 ≤ dim` of token `t0 + i < tokens` of head
-                        // `h`, inside the source's V region.
-                        let x = unsafe { load_wide(row.add(32 * j), !0, bf16) };
-                        nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
-                        low = _mm512_min_ps(low, x);
-                        high = _mm512_max_ps(high, x);
-                    }
-                    (lows[i], highs[i]) = (low, high);
-                }
-                let (low, high) =
-                    (reduce16(&lows, |a, b| _mm512_min_ps(a, b)), reduce16(&highs, |a, b| _mm512_max_ps(a, b)));
-                if nan != 0 || !in_range(low, high) {
+                // SAFETY: channels `c0..c0 + width ≤ dim` of tokens `t0..t0 + count ≤ tokens` of head
+                // `h`, inside the source's V region. Token slots past `count` fold nothing (+0): their
+                // parameters are computed and not stored.
+                let (lows, highs) = unsafe { row_bounds(count, 1, |_| row_mask, |i| v_row(h, t0 + i, c0)) };
+                let (low, high) = (fold_rows(&lows, min16, bf16), fold_rows(&highs, max16, bf16));
+                if !in_range(low, high) {
                     return Err(Unencodable);
                 }
                 let (pairs, min, inv) = group_params(low, high, v_levels as f32);
@@ -302,11 +347,11 @@ unsafe fn quantize_in<const KB: usize, const VB: usize>(
                     let codes = out.wrapping_add(layout.v_codes(h) + (t0 + i) * layout.v_row_bytes() + c0 * VB / 8);
                     let (min, inv) = (_mm512_set1_ps(mins[i]), _mm512_set1_ps(invs[i]));
                     for j in 0..width / LANES {
-                        // SAFETY: as for the first pass; the codes of channels `c0 + 16j .. + 16` of
-                        // this token's row, `2 × VB` bytes.
+                        // SAFETY: channels `c0 + 16j .. + 16 ≤ dim` of this token's row, as in the
+                        // first pass; their codes, `2 × VB` bytes.
                         unsafe {
                             let x = load_wide(row.add(32 * j), !0, bf16);
-                            pack16::<VB>(encode16(x, min, inv, v_levels, !0), codes.add(2 * VB * j));
+                            pack16::<VB>(encode16(x, min, inv), !0, codes.add(2 * VB * j));
                         }
                     }
                 }
