@@ -36,6 +36,12 @@ use crate::format::quant::{MAX_QUANTIZED, QuantLayout, V_GROUP};
 use crate::format::{Format, PageShape};
 
 const LANES: usize = 16;
+/// How far ahead of its reads the first pass asks for the source's cache lines. A source page
+/// coming from memory arrives in time for the second pass, but not for the first: the reductions
+/// and parameters between the two keep the out-of-order window from reaching the next loads
+/// early. With this, f16 → q8 out of cache went from 3.6–3.9 to 4.2–4.6 GB/s of f16 on the
+/// development VM (2 KiB to 16 KiB gave the same within noise).
+const AHEAD: usize = 4096;
 
 /// Why the vector quantizer gave up: an element it cannot encode (the scalar code names it).
 #[derive(Debug)]
@@ -67,7 +73,7 @@ fn sortable(x: __m512i) -> __m512i {
 
 /// The smallest and largest value of the lanes in `mask` of `count` 32-lane rows of 16-bit elements
 /// in sortable order ([`sortable`]): `row(i)` for `i < count`; rows from `count` to 16 fold nothing
-/// and give +0.
+/// and give +0. Prefetches [`AHEAD`] bytes past each load, up to `last`, the source's last byte.
 ///
 /// # Safety
 ///
@@ -80,12 +86,14 @@ unsafe fn row_bounds(
     vectors: usize,
     mask: impl Fn(usize) -> __mmask32,
     row: impl Fn(usize) -> *const u8,
+    last: *const u8,
 ) -> ([__m512; LANES], [__m512; LANES]) {
     let (mut lows, mut highs) = ([_mm512_setzero_ps(); LANES], [_mm512_setzero_ps(); LANES]);
     for i in 0..count {
         let (mut low, mut high) = (_mm512_set1_epi16(i16::MAX), _mm512_set1_epi16(i16::MIN));
         for j in 0..vectors {
             let m = mask(j);
+            _mm_prefetch::<_MM_HINT_T0>(row(i).wrapping_add(64 * j + AHEAD).min(last).cast());
             // SAFETY: the caller guarantees the `m` lanes of vector `j` of row `i`.
             let x = sortable(unsafe { _mm512_maskz_loadu_epi16(m, row(i).add(64 * j).cast()) });
             low = _mm512_mask_min_epi16(low, m, low, x);
@@ -277,6 +285,7 @@ unsafe fn quantize_in<const KB: usize, const VB: usize>(
         let left = tokens - 2 * LANES * j;
         if left >= 2 * LANES { !0 } else { (1u32 << left) - 1 }
     };
+    let last = src.as_ptr().wrapping_add(src.len() - 1);
     let (src, out) = (src.as_ptr(), dst.as_mut_ptr());
     // Source rows, computed once: key channel rows of `block` elements, value token rows of `dim`.
     let (k_rows, v_rows) = (shape.k_byte(0, 0, 0), shape.v_byte(0, 0, 0));
@@ -289,7 +298,7 @@ unsafe fn quantize_in<const KB: usize, const VB: usize>(
         for d0 in (0..dim).step_by(LANES) {
             // SAFETY: channels `d0..d0 + 16 ≤ dim` of head `h`: lanes of tokens `< tokens ≤ block` of
             // their rows inside the source's K region.
-            let (lows, highs) = unsafe { row_bounds(LANES, wide_vectors, wide_mask, |i| k_row(h, d0 + i)) };
+            let (lows, highs) = unsafe { row_bounds(LANES, wide_vectors, wide_mask, |i| k_row(h, d0 + i), last) };
             let (low, high) = (fold_rows(&lows, min16, bf16), fold_rows(&highs, max16, bf16));
             if !in_range(low, high) {
                 return Err(Unencodable);
@@ -327,7 +336,7 @@ unsafe fn quantize_in<const KB: usize, const VB: usize>(
                 // SAFETY: channels `c0..c0 + width ≤ dim` of tokens `t0..t0 + count ≤ tokens` of head
                 // `h`, inside the source's V region. Token slots past `count` fold nothing (+0): their
                 // parameters are computed and not stored.
-                let (lows, highs) = unsafe { row_bounds(count, 1, |_| row_mask, |i| v_row(h, t0 + i, c0)) };
+                let (lows, highs) = unsafe { row_bounds(count, 1, |_| row_mask, |i| v_row(h, t0 + i, c0), last) };
                 let (low, high) = (fold_rows(&lows, min16, bf16), fold_rows(&highs, max16, bf16));
                 if !in_range(low, high) {
                     return Err(Unencodable);
