@@ -46,10 +46,14 @@ pub const RUN_BYTES: usize = 1 << 20;
 const PIPELINE_RUNS: usize = 4;
 /// The most threads that seal runs of one write.
 const MAX_SEALERS: usize = 2;
-/// Threads of a flash file's pool: the writer and a second sealer, or the reader and a second
+/// Threads that write one call's sealed runs. Each writes a batch (what is sealed when it gets
+/// there) and waits for all of it, so with one the disk idles between batches and sees only the
+/// requests of one; with two, one batch is in flight while the next is gathered and submitted.
+const WRITERS: usize = 2;
+/// Threads of a flash file's pool: the writers and a second sealer, or the reader and a second
 /// opener. Every job of a call may block until the call's other jobs progress, so the pool must run
 /// all of them at once.
-const IO_WORKERS: usize = MAX_SEALERS;
+const IO_WORKERS: usize = MAX_SEALERS - 1 + WRITERS;
 /// Magic of a slot record.
 const MAGIC: [u8; 8] = *b"KVMMSLT1";
 /// Version of the record layout.
@@ -274,16 +278,24 @@ impl FlashFile {
                 out
             };
             let seal_every_nth = &seal_every_nth;
+            let (sealed, queue) = mpsc::sync_channel::<(usize, Staging)>(PIPELINE_RUNS);
+            let queue = &Mutex::new(queue);
             self.workers.in_place_scope(|scope| {
-                let (sealed, queue) = mpsc::sync_channel::<(usize, Staging)>(PIPELINE_RUNS);
-                scope.spawn(move |_| {
-                    while let Ok(first) = queue.recv() {
-                        let mut batch = vec![first];
-                        batch.extend(queue.try_iter());
-                        let outcome = write(&batch);
-                        lock(written_ref).extend(batch.iter().map(|(k, _)| *k).zip(outcome));
-                    }
-                });
+                for _ in 0..WRITERS {
+                    scope.spawn(move |_| {
+                        loop {
+                            // The queue's lock is held while waiting for the first run, so the
+                            // other writer waits for the next batch meanwhile.
+                            let batch: Vec<(usize, Staging)> = {
+                                let queue = lock(queue);
+                                let Ok(first) = queue.recv() else { break };
+                                std::iter::once(first).chain(queue.try_iter()).collect()
+                            };
+                            let outcome = write(&batch);
+                            lock(written_ref).extend(batch.iter().map(|(k, _)| *k).zip(outcome));
+                        }
+                    });
+                }
                 for first in 1..sealers {
                     let sealed = sealed.clone();
                     scope.spawn(move |_| {

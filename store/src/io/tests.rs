@@ -232,6 +232,45 @@ fn one_ring_serves_several_threads_at_once() {
 }
 
 #[test]
+fn a_batch_does_not_wait_for_another_callers_batch_in_flight() {
+    // A read from an empty pipe stays in flight until something is written to the pipe. A file
+    // read submitted meanwhile by another thread must complete without it: the ring serves both
+    // batches at once (before, one batch at a time, the file read waited behind the pipe).
+    let engine: Arc<dyn IoEngine> = Arc::new(UringEngine::new(8, None).unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let file = open_direct(&dir, 1 << 20);
+    let (pipe_r, pipe_w) = rustix::pipe::pipe().unwrap();
+    let pending = {
+        let engine = Arc::clone(&engine);
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 5];
+            let mut read = [IoRequest::Read { offset: 0, buf: &mut buf }];
+            let got = engine.submit(pipe_r.as_fd(), &mut read).remove(0).unwrap();
+            (got, buf)
+        })
+    };
+    // Give the pipe read time to reach the ring first.
+    std::thread::sleep(Duration::from_millis(100));
+    let (done, answer) = std::sync::mpsc::channel();
+    let other = {
+        let engine = Arc::clone(&engine);
+        std::thread::spawn(move || {
+            let mut buf = AlignedBuf::zeroed(IO_ALIGN).unwrap();
+            let mut read = [IoRequest::Read { offset: 0, buf: &mut buf }];
+            let result = engine.submit(file.as_fd(), &mut read).remove(0);
+            done.send(result.map_err(|e| e.to_string())).unwrap();
+        })
+    };
+    let result = answer.recv_timeout(Duration::from_secs(5));
+    // Release the pipe read either way, so the threads end.
+    rustix::io::write(&pipe_w, b"hello").unwrap();
+    assert_eq!(result.expect("the file read completed while the pipe read was in flight"), Ok(IO_ALIGN));
+    other.join().unwrap();
+    let (got, buf) = pending.join().unwrap();
+    assert_eq!((got, &buf[..]), (5, &b"hello"[..]));
+}
+
+#[test]
 fn the_probe_picks_io_uring_here_and_pread_when_asked() {
     let pool = IoBuffers::new(IO_ALIGN, 4).unwrap();
     let probed = probe(EngineChoice::Auto, 32, Some(pool)).unwrap();

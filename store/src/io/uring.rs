@@ -3,7 +3,9 @@
 //! Callers hand a batch to the ring thread and block until it answers. The thread pushes as many
 //! requests as the submission queue holds, enters the kernel once for all of them (submit and wait
 //! for at least one completion), collects completions and refills until the batch is done, then
-//! answers; one ring serves every caller, a batch at a time. Requests whose buffer lies inside the
+//! answers; one ring serves every caller, several batches at once (a batch handed over while
+//! others are in flight joins them at the next completion, and each is answered when its own last
+//! request completes). Requests whose buffer lies inside the
 //! registered [`IoBuffers`] block use the fixed-buffer opcodes (no page pinning per I/O).
 //!
 //! Safety rests on the engine contract (`io/mod.rs`): [`IoEngine::submit`] holds the borrows of the
@@ -13,7 +15,7 @@
 //! kernel may still write.
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
@@ -51,6 +53,9 @@ unsafe impl Send for Job {}
 pub struct UringEngine {
     /// Batches for the ring thread; dropped first on drop, which ends the thread.
     jobs: Option<mpsc::Sender<Job>>,
+    /// Written after each batch is handed over: the ring keeps a read of it in flight, so a
+    /// thread waiting in the kernel for other batches' completions wakes up to take the new one.
+    wake: Arc<OwnedFd>,
     /// The ring thread, joined on drop.
     thread: Option<JoinHandle<()>>,
     /// The registered block, kept alive as long as the ring may use it.
@@ -88,12 +93,16 @@ impl UringEngine {
             let (start, len) = b.region();
             (start as usize, len)
         });
+        let wake = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
+            .map_err(|e| unavailable("creating an eventfd", e.into()))?;
+        let wake = Arc::new(wake);
         let (jobs, queue) = mpsc::channel::<Job>();
+        let thread_wake = Arc::clone(&wake);
         let thread = std::thread::Builder::new()
             .name("kvmm-io-uring".into())
-            .spawn(move || serve(ring, queue, fixed))
+            .spawn(move || serve(ring, queue, fixed, &thread_wake))
             .map_err(|e| unavailable("starting the ring thread", e))?;
-        Ok(UringEngine { jobs: Some(jobs), thread: Some(thread), registered: buffers, depth })
+        Ok(UringEngine { jobs: Some(jobs), wake, thread: Some(thread), registered: buffers, depth })
     }
 
     /// Whether a block is registered as fixed buffers.
@@ -148,6 +157,9 @@ impl IoEngine for UringEngine {
             // The thread is gone and never saw this batch: nothing is in flight.
             return stopped(requests.len());
         }
+        // Cannot fail while the counter is far from its maximum; the thread also takes the batch
+        // at its next completion without it.
+        let _ = rustix::io::write(self.wake.as_fd(), &1u64.to_ne_bytes());
         match answer.recv() {
             Ok(results) => results,
             Err(_) => {
@@ -174,54 +186,147 @@ impl Drop for UringEngine {
     }
 }
 
-/// The ring thread: answers batches until every sender is gone.
-fn serve(mut ring: IoUring, jobs: mpsc::Receiver<Job>, fixed: Option<(usize, usize)>) {
-    while let Ok(job) = jobs.recv() {
-        let results = run_batch(&mut ring, &job, fixed);
-        // The caller waits for this answer; if it is gone, nobody holds the buffers any more.
-        let _ = job.reply.send(results);
+/// A batch the ring thread has taken and not yet answered.
+struct Active {
+    job: Job,
+    results: Vec<Option<io::Result<usize>>>,
+    /// Ops pushed to the submission queue so far (in order).
+    next: usize,
+    /// Ops pushed and not yet completed.
+    in_flight: usize,
+}
+
+impl Active {
+    fn done(&self) -> bool {
+        self.next == self.job.ops.len() && self.in_flight == 0
     }
 }
 
-/// Runs one batch to completion on `ring` (empty between batches).
-fn run_batch(ring: &mut IoUring, job: &Job, fixed: Option<(usize, usize)>) -> Vec<io::Result<usize>> {
-    let n = job.ops.len();
-    let mut results: Vec<Option<io::Result<usize>>> = (0..n).map(|_| None).collect();
-    let (mut next, mut in_flight) = (0usize, 0usize);
+/// How many bits of a completion's user data name the op inside its batch (the rest name the
+/// batch's slot among those in flight).
+const OP_BITS: u32 = 32;
+/// The user data of the read of the wake eventfd.
+const WAKE: u64 = u64::MAX;
+
+/// Queues a read of the eventfd `wake` into `counter`; whether the queue took it.
+fn arm_wake(ring: &mut IoUring, wake: RawFd, counter: &mut [u8; 8]) -> bool {
+    let entry = opcode::Read::new(types::Fd(wake), counter.as_mut_ptr(), 8).build().user_data(WAKE);
+    // SAFETY: `counter` lives in `serve`, which does not return while this read is in flight.
+    unsafe { ring.submission().push(&entry) }.is_ok()
+}
+
+/// The ring thread: runs every batch it is handed, several at once (a batch handed over while
+/// others are in flight joins them at the next completion, so one caller's I/O never waits for
+/// another's to finish), and answers each as soon as its last op completes; stops when every
+/// sender is gone and nothing is in flight.
+fn serve(mut ring: IoUring, jobs: mpsc::Receiver<Job>, fixed: Option<(usize, usize)>, wake: &OwnedFd) {
+    let mut counter = [0u8; 8];
+    let mut armed = false;
+    let mut active: Vec<Option<Active>> = Vec::new();
+    let mut open = true;
     let mut failures = 0u32;
-    while next < n || in_flight > 0 {
-        {
-            let mut queue = ring.submission();
-            while next < n && !queue.is_full() {
-                let entry = entry(job.fd, job.ops[next], fixed).user_data(next as u64);
-                // SAFETY: the buffer of op `next` stays valid until this batch is answered (module
-                // doc), which happens only after its completion is reaped below.
-                if unsafe { queue.push(&entry) }.is_err() {
-                    break;
-                }
-                next += 1;
-                in_flight += 1;
+    loop {
+        let idle = active.iter().all(Option::is_none);
+        if idle {
+            // Nothing in flight but the wake-up read: wait for work (or the end).
+            match jobs.recv() {
+                Ok(job) => take(&mut active, job),
+                Err(_) => break,
             }
         }
-        if let Err(e) = ring.submit_and_wait(1) {
-            // EINTR, EAGAIN and EBUSY are transient: unconsumed entries stay queued and are submitted
-            // by the next call. Anything else repeating means the ring itself is broken while the
-            // kernel may hold buffers, so the process cannot go on safely.
-            failures += 1;
-            let transient = matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY));
-            if !transient && failures > 1000 {
-                eprintln!("kvmm: io_uring_enter keeps failing ({e}) with I/O in flight; aborting");
-                std::process::abort();
+        while open {
+            match jobs.try_recv() {
+                Ok(job) => take(&mut active, job),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => open = false,
+            }
+        }
+        if !armed {
+            armed = arm_wake(&mut ring, wake.as_raw_fd(), &mut counter);
+        }
+        {
+            // Every batch in turn (by slot), as many ops as the queue holds.
+            let mut queue = ring.submission();
+            'push: for (slot, a) in active.iter_mut().enumerate() {
+                let Some(a) = a else { continue };
+                while a.next < a.job.ops.len() {
+                    if queue.is_full() {
+                        break 'push;
+                    }
+                    let data = ((slot as u64) << OP_BITS) | a.next as u64;
+                    let entry = entry(a.job.fd, a.job.ops[a.next], fixed).user_data(data);
+                    // SAFETY: the buffer of this op stays valid until its batch is answered (module
+                    // doc), which happens only after its completion is reaped below.
+                    if unsafe { queue.push(&entry) }.is_err() {
+                        break 'push;
+                    }
+                    a.next += 1;
+                    a.in_flight += 1;
+                }
+            }
+        }
+        match ring.submit_and_wait(1) {
+            Ok(_) => failures = 0,
+            Err(e) => {
+                // EINTR, EAGAIN and EBUSY are transient: unconsumed entries stay queued and are submitted
+                // by the next call. Anything else repeating means the ring itself is broken while the
+                // kernel may hold buffers, so the process cannot go on safely.
+                failures += 1;
+                let transient = matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY));
+                if !transient && failures > 1000 {
+                    eprintln!("kvmm: io_uring_enter keeps failing ({e}) with I/O in flight; aborting");
+                    std::process::abort();
+                }
             }
         }
         for cqe in ring.completion() {
-            let Some(slot) = results.get_mut(cqe.user_data() as usize) else { continue };
+            if cqe.user_data() == WAKE {
+                armed = false;
+                continue;
+            }
+            let (slot, op) = ((cqe.user_data() >> OP_BITS) as usize, (cqe.user_data() & 0xffff_ffff) as usize);
+            let Some(Some(a)) = active.get_mut(slot) else { continue };
+            let Some(result) = a.results.get_mut(op) else { continue };
             let r = cqe.result();
-            *slot = Some(if r < 0 { Err(io::Error::from_raw_os_error(-r)) } else { Ok(r as usize) });
-            in_flight -= 1;
+            *result = Some(if r < 0 { Err(io::Error::from_raw_os_error(-r)) } else { Ok(r as usize) });
+            a.in_flight -= 1;
+        }
+        for entry in active.iter_mut() {
+            if entry.as_ref().is_some_and(Active::done)
+                && let Some(a) = entry.take()
+            {
+                let results = a
+                    .results
+                    .into_iter()
+                    .map(|r| r.unwrap_or_else(|| Err(io::Error::other("no completion"))))
+                    .collect();
+                // The caller waits for this answer; if it is gone, nobody holds the buffers any more.
+                let _ = a.job.reply.send(results);
+            }
         }
     }
-    results.into_iter().map(|r| r.unwrap_or_else(|| Err(io::Error::other("no completion")))).collect()
+    if !armed {
+        return;
+    }
+    // The wake-up read may still be queued or in flight into `counter`: complete it before
+    // `counter` goes.
+    let _ = rustix::io::write(wake, &1u64.to_ne_bytes());
+    loop {
+        let _ = ring.submit_and_wait(1);
+        if ring.completion().any(|cqe| cqe.user_data() == WAKE) {
+            return;
+        }
+    }
+}
+
+/// Puts `job` in the first free slot of `active`.
+fn take(active: &mut Vec<Option<Active>>, job: Job) {
+    let n = job.ops.len();
+    let a = Active { job, results: (0..n).map(|_| None).collect(), next: 0, in_flight: 0 };
+    match active.iter_mut().find(|e| e.is_none()) {
+        Some(free) => *free = Some(a),
+        None => active.push(Some(a)),
+    }
 }
 
 /// The submission entry of one op: the fixed-buffer opcode when its buffer lies in the registered
