@@ -357,7 +357,8 @@ pub fn demote_to_dram(core: &mut Core, demotion: &Demotion, pages: &[PageRef], s
 pub struct Outbound {
     page: PageRef,
     slot: DramSlot,
-    /// The page in the clear (wiped when dropped).
+    /// The page in the clear (wiped when dropped, which [`move_to_flash`] does right after the
+    /// write).
     bytes: Zeroizing<Vec<u8>>,
     key: Arc<SessionKey>,
 }
@@ -725,14 +726,20 @@ pub fn demote_coldest(
 /// released while the pages are sealed and written and taken again to commit them. Returns pages
 /// moved.
 pub fn move_to_flash(core: &mut MutexGuard<'_, Core>, flash: &Mutex<FlashFile>, pages: &[PageRef]) -> Result<u32> {
-    let out = take_from_dram(core, pages)?;
+    let mut out = take_from_dram(core, pages)?;
     if out.is_empty() {
         return Ok(0);
     }
     let metrics = core.metrics.clone();
     let written = MutexGuard::unlocked(core, || {
         crate::failpoint::hit("flash-before-write");
-        write_to_flash(&mut flash.lock(), &out, &metrics)
+        let written = write_to_flash(&mut flash.lock(), &out, &metrics);
+        // The copies are wiped and freed here, not under the core lock at commit: the page is in
+        // flash now, or still in its DRAM slot if the write failed.
+        for o in &mut out {
+            o.bytes = Zeroizing::new(Vec::new());
+        }
+        written
     });
     crate::failpoint::hit("flash-after-write");
     Ok(commit_to_flash(core, flash, out, written))
