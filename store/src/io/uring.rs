@@ -211,7 +211,7 @@ const WAKE: u64 = u64::MAX;
 /// Queues a read of the eventfd `wake` into `counter`; whether the queue took it.
 fn arm_wake(ring: &mut IoUring, wake: RawFd, counter: &mut [u8; 8]) -> bool {
     let entry = opcode::Read::new(types::Fd(wake), counter.as_mut_ptr(), 8).build().user_data(WAKE);
-    // SAFETY: `counter` lives in `serve`, which does not return while this read is in flight.
+    // SAFETY: `counter` lives in `serve`, which does not free it while this read is in flight.
     unsafe { ring.submission().push(&entry) }.is_ok()
 }
 
@@ -220,7 +220,8 @@ fn arm_wake(ring: &mut IoUring, wake: RawFd, counter: &mut [u8; 8]) -> bool {
 /// another's to finish), and answers each as soon as its last op completes; stops when every
 /// sender is gone and nothing is in flight.
 fn serve(mut ring: IoUring, jobs: mpsc::Receiver<Job>, fixed: Option<(usize, usize)>, wake: &OwnedFd) {
-    let mut counter = [0u8; 8];
+    // On the heap, so it can be leaked if the ring breaks with the read in flight (below).
+    let mut counter = Box::new([0u8; 8]);
     let mut armed = false;
     let mut active: Vec<Option<Active>> = Vec::new();
     let mut open = true;
@@ -309,14 +310,15 @@ fn serve(mut ring: IoUring, jobs: mpsc::Receiver<Job>, fixed: Option<(usize, usi
         return;
     }
     // The wake-up read may still be queued or in flight into `counter`: complete it before
-    // `counter` goes.
+    // `counter` goes. Should the ring no longer complete it, the 8 bytes are leaked instead.
     let _ = rustix::io::write(wake, &1u64.to_ne_bytes());
-    loop {
+    for _ in 0..1000 {
         let _ = ring.submit_and_wait(1);
         if ring.completion().any(|cqe| cqe.user_data() == WAKE) {
             return;
         }
     }
+    std::mem::forget(counter);
 }
 
 /// Puts `job` in the first free slot of `active`.
