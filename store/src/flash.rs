@@ -41,8 +41,11 @@ use crate::tier::{PageId, PageRead, PageWrite, Tier, TierError, TierKind, TierSt
 pub const RECORD_HEADER: usize = 64;
 /// The most bytes one coalesced request carries.
 pub const RUN_BYTES: usize = 1 << 20;
-/// Runs sealed ahead of the writer (or read ahead of the opener): bounds the staging memory of a
-/// call to about this many [`RUN_BYTES`].
+/// Runs sealed ahead of the writers (or batches read ahead of the openers), and the runs of a
+/// read batch. With what the writers, readers and openers hold, a write stages at most 14 runs at
+/// once (the queue, and each writer's batch of at most this many plus one) and a read 32 (the
+/// queue's batches of at most this many runs, and each reader's and opener's batch); staging is a
+/// leased chunk where one is free, else a buffer of its own.
 const PIPELINE_RUNS: usize = 4;
 /// The most threads that seal runs of one write.
 const MAX_SEALERS: usize = 2;
@@ -297,7 +300,7 @@ impl FlashFile {
                             let batch: Vec<(usize, Staging)> = {
                                 let queue = lock(queue);
                                 let Ok(first) = queue.recv() else { break };
-                                std::iter::once(first).chain(queue.try_iter()).collect()
+                                std::iter::once(first).chain(queue.try_iter().take(PIPELINE_RUNS)).collect()
                             };
                             let outcome = write(&batch);
                             lock(written_ref).extend(batch.iter().map(|(k, _)| *k).zip(outcome));
