@@ -90,12 +90,13 @@ unsafe fn row_bounds(
 ) -> ([__m512; LANES], [__m512; LANES]) {
     let (mut lows, mut highs) = ([_mm512_setzero_ps(); LANES], [_mm512_setzero_ps(); LANES]);
     for i in 0..count {
+        let r = row(i);
         let (mut low, mut high) = (_mm512_set1_epi16(i16::MAX), _mm512_set1_epi16(i16::MIN));
         for j in 0..vectors {
             let m = mask(j);
-            _mm_prefetch::<_MM_HINT_T0>(row(i).wrapping_add(64 * j + AHEAD).min(last).cast());
+            _mm_prefetch::<_MM_HINT_T0>(r.wrapping_add(64 * j + AHEAD).min(last).cast());
             // SAFETY: the caller guarantees the `m` lanes of vector `j` of row `i`.
-            let x = sortable(unsafe { _mm512_maskz_loadu_epi16(m, row(i).add(64 * j).cast()) });
+            let x = sortable(unsafe { _mm512_maskz_loadu_epi16(m, r.add(64 * j).cast()) });
             low = _mm512_mask_min_epi16(low, m, low, x);
             high = _mm512_mask_max_epi16(high, m, high, x);
         }

@@ -4,9 +4,10 @@
 //! requests as the submission queue holds, enters the kernel once for all of them (submit and wait
 //! for at least one completion), collects completions and refills until the batch is done, then
 //! answers; one ring serves every caller, several batches at once (a batch handed over while
-//! others are in flight joins them at the next completion, and each is answered when its own last
-//! request completes). Requests whose buffer lies inside the
-//! registered [`IoBuffers`] block use the fixed-buffer opcodes (no page pinning per I/O).
+//! others are in flight joins them at once: the caller writes an eventfd whose read the ring keeps
+//! in flight, which wakes the thread; each batch is answered when its own last request completes).
+//! Requests whose buffer lies inside the registered [`IoBuffers`] block use the fixed-buffer
+//! opcodes (no page pinning per I/O).
 //!
 //! Safety rests on the engine contract (`io/mod.rs`): [`IoEngine::submit`] holds the borrows of the
 //! batch's buffers until the ring thread has reaped every completion of that batch, so the kernel
@@ -216,9 +217,9 @@ fn arm_wake(ring: &mut IoUring, wake: RawFd, counter: &mut [u8; 8]) -> bool {
 }
 
 /// The ring thread: runs every batch it is handed, several at once (a batch handed over while
-/// others are in flight joins them at the next completion, so one caller's I/O never waits for
-/// another's to finish), and answers each as soon as its last op completes; stops when every
-/// sender is gone and nothing is in flight.
+/// others are in flight joins them at once, woken by the eventfd `wake`, so one caller's I/O never
+/// waits for another's to finish), and answers each as soon as its last op completes; stops when
+/// every sender is gone and nothing is in flight.
 fn serve(mut ring: IoUring, jobs: mpsc::Receiver<Job>, fixed: Option<(usize, usize)>, wake: &OwnedFd) {
     // On the heap, so it can be leaked if the ring breaks with the read in flight (below).
     let mut counter = Box::new([0u8; 8]);
@@ -269,9 +270,9 @@ fn serve(mut ring: IoUring, jobs: mpsc::Receiver<Job>, fixed: Option<(usize, usi
         match ring.submit_and_wait(1) {
             Ok(_) => failures = 0,
             Err(e) => {
-                // EINTR, EAGAIN and EBUSY are transient: unconsumed entries stay queued and are submitted
-                // by the next call. Anything else repeating means the ring itself is broken while the
-                // kernel may hold buffers, so the process cannot go on safely.
+                // EINTR, EAGAIN and EBUSY are transient: unconsumed entries stay queued and are
+                // submitted by the next call. Anything else repeating means the ring itself is broken
+                // while the kernel may hold buffers, so the process cannot go on safely.
                 failures += 1;
                 let transient = matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY));
                 if !transient && failures > 1000 {
@@ -285,7 +286,7 @@ fn serve(mut ring: IoUring, jobs: mpsc::Receiver<Job>, fixed: Option<(usize, usi
                 armed = false;
                 continue;
             }
-            let (slot, op) = ((cqe.user_data() >> OP_BITS) as usize, (cqe.user_data() & 0xffff_ffff) as usize);
+            let (slot, op) = ((cqe.user_data() >> OP_BITS) as usize, (cqe.user_data() & ((1 << OP_BITS) - 1)) as usize);
             let Some(Some(a)) = active.get_mut(slot) else { continue };
             let Some(result) = a.results.get_mut(op) else { continue };
             let r = cqe.result();
