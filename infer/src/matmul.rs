@@ -7,7 +7,9 @@
 //!   product accumulates each row left to right in `f32`, exactly as llama2.c `run.c` does, so
 //!   results match it bit for bit.
 //! - `Q4_1` and `Q8_0`: ggml's quantized blocks ([`crate::quant`]), kept quantized in memory and
-//!   dequantized on the fly inside the product, which sums in vector lanes.
+//!   dequantized on the fly inside the product, which sums in vector lanes. On x86-64 CPUs with
+//!   AVX-512 F the products run in `quant_avx512.rs` (same arithmetic, 16 lanes, four rows at once);
+//!   elsewhere in the portable code of [`crate::quant`].
 //!
 //! The forward pass only ever calls [`Matrix::matvec`] and [`Matrix::dequantize_row`], and only a
 //! loader builds a `Matrix`, so faster kernels replace this file's insides without touching either.
@@ -17,6 +19,8 @@
 
 use crate::error::InferError;
 use crate::quant::{BLOCK, BlockQ4_1, BlockQ8_0, block_sums, dot_q4_1, dot_q8_0};
+#[cfg(target_arch = "x86_64")]
+use crate::quant_avx512::Avx512;
 
 /// How a [`Matrix`] stores its weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -141,13 +145,21 @@ impl Matrix {
                 }
             }
             Storage::Q4_1(blocks) => {
-                let xb = x.as_chunks::<BLOCK>().0;
                 let sums = block_sums(x);
+                #[cfg(target_arch = "x86_64")]
+                if let Some(avx) = Avx512::detect() {
+                    return avx.matvec_q4_1(blocks, x, &sums, out);
+                }
+                let xb = x.as_chunks::<BLOCK>().0;
                 for (o, row) in out.iter_mut().zip(blocks.chunks_exact(self.cols / BLOCK)) {
                     *o = dot_q4_1(row, xb, &sums);
                 }
             }
             Storage::Q8_0(blocks) => {
+                #[cfg(target_arch = "x86_64")]
+                if let Some(avx) = Avx512::detect() {
+                    return avx.matvec_q8_0(blocks, x, out);
+                }
                 let xb = x.as_chunks::<BLOCK>().0;
                 for (o, row) in out.iter_mut().zip(blocks.chunks_exact(self.cols / BLOCK)) {
                     *o = dot_q8_0(row, xb);
