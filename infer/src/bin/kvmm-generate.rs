@@ -76,7 +76,8 @@ struct EvalArgs {
     text: PathBuf,
     /// Storages to compare with the f16 reference: f16, bf16, q8, k8v4, q4, q2, auto (the daemon's
     /// adaptive precision at q4's bytes), auto-FORMAT (around another compressed format),
-    /// auto-down (earlier pages also step down to each new allocation).
+    /// auto-down (earlier pages also step down to each new allocation), graded-W (experiment:
+    /// a W-token window, then k8v4 pages aging into q4, at q4's bytes).
     #[arg(long, default_value = "q8,k8v4,q4,auto,q2")]
     formats: String,
     /// Use at most this many tokens of the text (default: all of it, up to the model's context).

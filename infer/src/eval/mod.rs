@@ -90,8 +90,8 @@ pub fn parse_storages(list: &str) -> Result<Vec<Storage>, InferError> {
         .map(|name| {
             Storage::from_name(name).ok_or_else(|| {
                 InferError::InvalidArgument(format!(
-                    "\"{}\" is not a KV storage; use f16, bf16, q8, k8v4, q4, q2, auto, or auto-FORMAT around a \
-                     compressed format (auto-q8)",
+                    "\"{}\" is not a KV storage; use f16, bf16, q8, k8v4, q4, q2, auto, auto-FORMAT around a \
+                     compressed format (auto-q8), or graded-W with a window of W ≤ 128 tokens (graded-64)",
                     name.trim()
                 ))
             })
@@ -152,7 +152,13 @@ impl Pass {
         Ok(Pass {
             storage,
             forward: Forward::new(model),
-            cache: PagedKvCache::new(model.config(), tokens, storage, options.block_tokens, options.window_tokens)?,
+            cache: PagedKvCache::new(
+                model.config(),
+                tokens,
+                storage,
+                options.block_tokens,
+                storage.window(options.window_tokens),
+            )?,
             log_probs: vec![0.0; vocab],
             probs: Vec::new(),
             top1: 0,

@@ -38,6 +38,13 @@
 //! the budget. Sixteen-bit candidates (only `auto-q8` keeps some: its pages up stay as written)
 //! are ranked again at every demotion, as the daemon ranks pages still on the device.
 //!
+//! **Age-graded storage** ([`Storage::Graded`], `graded-W`, an experiment the daemon does not run)
+//! keeps a window of `W ≤ 128` tokens at the element format, the newest
+//! [`graded_recent_pages`] candidates at k8v4 and older ones at q4: each demotion steps the page
+//! that ages past the k8v4 pages down to q4. The window's pages below the daemon's 128 tokens pay
+//! for the k8v4 pages, so the cache never holds more bytes than uniform q4 (a test checks every
+//! length of a 2,048-token layer).
+//!
 //! **Padding.** Page geometry needs `head_dim` a multiple of 16 in `16..=256`. Rows and queries are
 //! zero-padded per head to the next multiple of 16 and the padded output channels dropped; the
 //! softmax scale stays `1 / sqrt(head_dim)` of the model. Zero key channels add nothing to a score,
@@ -77,6 +84,16 @@ pub enum Storage {
         /// layer's bytes never exceed the budget (`auto-down`).
         step_down: bool,
     },
+    /// An age-graded ladder (`graded-W`; an experiment, not what the daemon does): the last
+    /// `window` tokens stay at the element format, the newest [`graded_recent_pages`] pages past
+    /// them are k8v4 and older pages q4, each page stepping down (`requantize`) as it ages. The
+    /// k8v4 pages are paid for by the window's pages below [`RECENT_WINDOW_TOKENS`], so the cache
+    /// holds no more bytes than uniform q4 with the daemon's window.
+    Graded {
+        /// Tokens at the end of a layer kept at the element format (at most
+        /// [`RECENT_WINDOW_TOKENS`]).
+        window: usize,
+    },
 }
 
 impl Storage {
@@ -91,6 +108,10 @@ impl Storage {
     /// `auto-down` or `auto-down-FORMAT` for the step-down variant.
     pub fn from_name(name: &str) -> Option<Storage> {
         let name = name.trim();
+        if let Some(window) = name.strip_prefix("graded-") {
+            let window = window.parse().ok().filter(|&w| w <= RECENT_WINDOW_TOKENS)?;
+            return Some(Storage::Graded { window });
+        }
         let Some(rest) = name.strip_prefix("auto") else { return Format::from_name(name).map(Storage::Uniform) };
         let (step_down, rest) = match rest.strip_prefix("-down") {
             Some(rest) => (true, rest),
@@ -107,6 +128,7 @@ impl Storage {
     pub fn name(&self) -> String {
         match *self {
             Storage::Uniform(format) => format.name().to_owned(),
+            Storage::Graded { window } => format!("graded-{window}"),
             Storage::Adaptive { mode, step_down } => {
                 let down = if step_down { "-down" } else { "" };
                 match mode {
@@ -159,6 +181,18 @@ pub fn demotion_formats(
             .iter()
             .map(|&(current, _)| if current.is_quantized() || !format.is_quantized() { current } else { format })
             .collect(),
+        Storage::Graded { window } => {
+            let recent = graded_recent_pages(shape, element, window);
+            let n = candidates.len();
+            candidates
+                .iter()
+                .enumerate()
+                .map(|(c, &(current, _))| {
+                    let to = if c + recent >= n { Format::K8V4 } else { Format::Q4 };
+                    if !current.is_quantized() || bits(to) < bits(current) { to } else { current }
+                })
+                .collect()
+        }
         Storage::Adaptive { mode, step_down } => {
             let Some(ladder) = Ladder::around(mode, element) else {
                 return candidates.iter().map(|&(current, _)| current).collect();
@@ -174,6 +208,26 @@ pub fn demotion_formats(
                     true => current,
                 })
                 .collect()
+        }
+    }
+}
+
+/// How many pages past a window of `window` tokens [`Storage::Graded`] keeps at k8v4: as many as
+/// the bytes of the window's pages below [`RECENT_WINDOW_TOKENS`] pay for at the difference
+/// between k8v4 and q4 (11 for SmolLM2's pages with a 64-token window). Pure.
+pub fn graded_recent_pages(shape: PageShape, element: Format, window: usize) -> usize {
+    let saved = RECENT_WINDOW_TOKENS.saturating_sub(window) / shape.block_tokens;
+    let (full, k8v4, q4) = (shape.page_bytes(element), shape.page_bytes(Format::K8V4), shape.page_bytes(Format::Q4));
+    saved * (full - q4) / (k8v4 - q4)
+}
+
+impl Storage {
+    /// Tokens at the end of a layer this storage keeps at the element format, `default` (the
+    /// daemon's window) unless it sets its own.
+    pub fn window(&self, default: usize) -> usize {
+        match *self {
+            Storage::Graded { window } => window,
+            _ => default,
         }
     }
 }
@@ -468,8 +522,57 @@ mod tests {
         assert_eq!(Storage::from_name("auto-f16"), None);
         assert_eq!(Storage::from_name("autoq8"), None);
         assert_eq!(Storage::from_name("q3"), None);
+        assert_eq!(Storage::from_name("graded-64"), Some(Storage::Graded { window: 64 }));
+        assert_eq!(Storage::Graded { window: 32 }.name(), "graded-32");
+        assert_eq!(Storage::from_name("graded-129"), None, "no wider than the daemon's window");
+        assert_eq!((Storage::Graded { window: 64 }.window(128), Storage::AUTO.window(128)), (64, 128));
         assert_eq!(Storage::Uniform(Format::Bf16).element(), Format::Bf16);
         assert_eq!(Storage::AUTO.element(), Format::F16);
+    }
+
+    #[test]
+    fn graded_storage_keeps_its_newest_pages_at_k8v4_and_steps_older_ones_down_to_q4() {
+        use Format::*;
+        let shape = PageShape { kv_heads: 3, head_dim: 64, block_tokens: 32 };
+        // SmolLM2's pages: two window pages saved pay for 11 k8v4 pages, one for 5, none for 0.
+        assert_eq!(
+            [64, 96, 32, 128].map(|w| graded_recent_pages(shape, F16, w)),
+            [11, 5, 17, 0],
+            "pages at k8v4 for windows of 64, 96, 32 and 128 tokens"
+        );
+        let graded = Storage::Graded { window: 64 };
+        // 14 candidates: the oldest 2 were k8v4 and age out; one q4 page stays; the leaving one is f16.
+        let mut c = vec![(K8V4, 0.0), (K8V4, 0.0), (Q4, 0.0)];
+        c.extend(std::iter::repeat_n((K8V4, 0.0), 10));
+        c.push((F16, 0.0));
+        let got = demotion_formats(graded, shape, F16, &c);
+        assert_eq!(&got[..3], [Q4, Q4, Q4]);
+        assert!(got[3..].iter().all(|&f| f == K8V4), "{got:?}");
+        // Never up: a q2 page among the newest stays q2; a q8 page past them steps down.
+        let got = demotion_formats(graded, shape, F16, &[(Q8, 0.0), (Q2, 0.0)]);
+        assert_eq!(got, [K8V4, Q2]);
+    }
+
+    /// The cache graded storage keeps holds no more bytes than uniform q4 with the daemon's window,
+    /// at every length of a long layer.
+    #[test]
+    fn graded_storage_never_holds_more_bytes_than_uniform_q4() {
+        let cfg = ModelConfig { dim: 4 * 64, layers: 1, heads: 9, kv_heads: 3, seq_len: 2048, ..config(64) };
+        let mut next = stream(7);
+        let mut q4 = PagedKvCache::new(&cfg, 2048, Storage::Uniform(Format::Q4), 32, RECENT_WINDOW_TOKENS).unwrap();
+        let graded = Storage::Graded { window: 64 };
+        let mut g = PagedKvCache::new(&cfg, 2048, graded, 32, graded.window(RECENT_WINDOW_TOKENS)).unwrap();
+        let mut saw_k8v4 = false;
+        for t in 0..2048 {
+            let k: Vec<f32> = (0..3 * 64).map(|_| next()).collect();
+            let v: Vec<f32> = (0..3 * 64).map(|_| next()).collect();
+            q4.append(0, &k, &v).unwrap();
+            g.append(0, &k, &v).unwrap();
+            assert!(g.bytes().0 <= q4.bytes().0, "at {} tokens: {} > {}", t + 1, g.bytes().0, q4.bytes().0);
+            saw_k8v4 |= g.page_formats(0).contains(&Format::K8V4);
+        }
+        let formats = g.page_formats(0);
+        assert!(saw_k8v4 && formats.iter().filter(|&&f| f == Format::K8V4).count() == 11, "{formats:?}");
     }
 
     #[test]
