@@ -1,4 +1,6 @@
-//! [`Forward`]: the `f32` forward pass of one token at one position, the llama-2 block order.
+//! [`Forward`]: the `f32` forward pass of one token at one position, the llama-2 block order
+//! ([`Forward::step`]), and of a prompt's tokens layer by layer with the same arithmetic
+//! ([`Forward::prefill`]).
 //!
 //! ```text
 //!   x = embedding[token]
@@ -22,6 +24,44 @@ use crate::error::InferError;
 use crate::kv_cache::KvCache;
 use crate::model::Model;
 use crate::rope::Rope;
+
+/// Tokens a [`Forward::prefill`] runs through each layer together (its buffers hold this many).
+pub const PREFILL_TOKENS: usize = 64;
+
+/// Buffers of a prefill group: one row per token of each of [`Forward`]'s per-token buffers.
+#[derive(Debug, Default)]
+struct Batch {
+    x: Vec<f32>,
+    xb: Vec<f32>,
+    xb2: Vec<f32>,
+    q: Vec<f32>,
+    attn: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    hb: Vec<f32>,
+    hb2: Vec<f32>,
+}
+
+impl Batch {
+    /// Sizes every buffer for `n` tokens of `c`.
+    fn size(&mut self, c: &ModelConfig, n: usize) {
+        let dims = [c.dim, c.dim, c.dim, c.q_dim(), c.q_dim(), c.kv_dim(), c.kv_dim(), c.hidden_dim, c.hidden_dim];
+        let bufs = [
+            &mut self.x,
+            &mut self.xb,
+            &mut self.xb2,
+            &mut self.q,
+            &mut self.attn,
+            &mut self.k,
+            &mut self.v,
+            &mut self.hb,
+            &mut self.hb2,
+        ];
+        for (buf, dim) in bufs.into_iter().zip(dims) {
+            buf.resize(n * dim, 0.0);
+        }
+    }
+}
 
 /// Scratch state for running one model, one token at a time.
 #[derive(Clone, Debug)]
@@ -68,6 +108,104 @@ impl Forward {
         }
     }
 
+    /// Runs `tokens` at positions `pos..pos + tokens.len()` (a prompt), appending their keys and
+    /// values to `cache`, and returns the logits after the last one: bit for bit what
+    /// [`Forward::step`] returns when fed the same tokens one by one. The same arithmetic runs for
+    /// each token; the tokens go through each layer [`PREFILL_TOKENS`] at a time, so each weight
+    /// matrix is read once per group instead of once per token ([`crate::Matrix::matmul`]). Each
+    /// token's attention still runs right after its own keys and values are appended, so it sees
+    /// exactly the tokens before it.
+    ///
+    /// The same conditions as `step` hold for the first token, and all of them must fit below
+    /// `seq_len`. On error the cache may hold some of the tokens in some layers; discard it.
+    pub fn prefill<C: KvCache + ?Sized>(
+        &mut self,
+        model: &Model,
+        cache: &mut C,
+        tokens: &[u32],
+        pos: usize,
+    ) -> Result<&[f32], InferError> {
+        let c = self.config;
+        if tokens.is_empty() {
+            return Err(InferError::InvalidArgument("a prefill needs at least one token".to_owned()));
+        }
+        if pos + tokens.len() > c.seq_len {
+            return Err(InferError::InvalidArgument(format!(
+                "{} tokens from position {pos} run past the model's context of {} tokens (seq_len)",
+                tokens.len(),
+                c.seq_len
+            )));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(InferError::InvalidArgument(format!(
+                "token id {bad} is outside the model's vocabulary of {} tokens",
+                c.vocab_size
+            )));
+        }
+        let mut at = pos;
+        let mut batch = Batch::default();
+        for group in tokens.chunks(PREFILL_TOKENS) {
+            // `step` checks the model, the first token's position and the cache; the group's
+            // other tokens follow from those.
+            self.check(model, cache, at)?;
+            self.prefill_group(model, cache, group, at, &mut batch)?;
+            at += group.len();
+        }
+        Ok(&self.logits)
+    }
+
+    /// Runs one group of a prefill (see [`Forward::prefill`]), `step`'s operations token by token
+    /// between the batched matrix products.
+    fn prefill_group<C: KvCache + ?Sized>(
+        &mut self,
+        model: &Model,
+        cache: &mut C,
+        tokens: &[u32],
+        pos: usize,
+        b: &mut Batch,
+    ) -> Result<(), InferError> {
+        let c = self.config;
+        let n = tokens.len();
+        b.size(&c, n);
+        let w = model.weights();
+        for (x, &token) in b.x.chunks_exact_mut(c.dim).zip(tokens) {
+            w.token_embedding.dequantize_row(token as usize, x);
+        }
+        for (l, lw) in w.layers.iter().enumerate() {
+            for (xb, x) in b.xb.chunks_exact_mut(c.dim).zip(b.x.chunks_exact(c.dim)) {
+                rmsnorm(xb, x, &lw.attn_norm, c.norm_eps);
+            }
+            lw.wq.matmul(&b.xb, &mut b.q);
+            lw.wk.matmul(&b.xb, &mut b.k);
+            lw.wv.matmul(&b.xb, &mut b.v);
+            let (q_dim, kv_dim) = (c.q_dim(), c.kv_dim());
+            for i in 0..n {
+                let (q, k) = (&mut b.q[i * q_dim..][..q_dim], &mut b.k[i * kv_dim..][..kv_dim]);
+                self.rope.apply(q, pos + i);
+                self.rope.apply(k, pos + i);
+                cache.append(l, k, &b.v[i * kv_dim..][..kv_dim])?;
+                cache.attention(l, q, &mut b.attn[i * q_dim..][..q_dim])?;
+            }
+            lw.wo.matmul(&b.attn, &mut b.xb2);
+            add(&mut b.x, &b.xb2);
+
+            for (xb, x) in b.xb.chunks_exact_mut(c.dim).zip(b.x.chunks_exact(c.dim)) {
+                rmsnorm(xb, x, &lw.ffn_norm, c.norm_eps);
+            }
+            lw.w1.matmul(&b.xb, &mut b.hb);
+            lw.w3.matmul(&b.xb, &mut b.hb2);
+            for (g, u) in b.hb.iter_mut().zip(&b.hb2) {
+                *g = silu(*g) * u;
+            }
+            lw.w2.matmul(&b.hb, &mut b.xb2);
+            add(&mut b.x, &b.xb2);
+        }
+        self.x.copy_from_slice(&b.x[(n - 1) * c.dim..]);
+        rmsnorm(&mut self.xb, &self.x, &w.final_norm, c.norm_eps);
+        model.classifier().matvec(&self.xb, &mut self.logits);
+        Ok(())
+    }
+
     /// Runs `token` at position `pos`, appending its keys and values to `cache`, and returns the
     /// logits for the next token.
     ///
@@ -81,31 +219,14 @@ impl Forward {
         token: u32,
         pos: usize,
     ) -> Result<&[f32], InferError> {
-        let c = &self.config;
-        if model.config() != c {
-            return Err(InferError::InvalidArgument(
-                "this Forward was built for a model with another configuration; build one per model".to_owned(),
-            ));
-        }
-        if token as usize >= c.vocab_size {
+        if token as usize >= self.config.vocab_size {
             return Err(InferError::InvalidArgument(format!(
                 "token id {token} is outside the model's vocabulary of {} tokens",
-                c.vocab_size
+                self.config.vocab_size
             )));
         }
-        if pos >= c.seq_len {
-            return Err(InferError::InvalidArgument(format!(
-                "position {pos} is past the model's context of {} tokens (seq_len)",
-                c.seq_len
-            )));
-        }
-        if let Some(layer) = (0..c.layers).find(|&l| cache.tokens(l) != pos) {
-            return Err(InferError::InvalidArgument(format!(
-                "position {pos} does not follow the cache: layer {layer} holds {} tokens; feed positions \
-                 in order, starting at 0",
-                cache.tokens(layer)
-            )));
-        }
+        self.check(model, cache, pos)?;
+        let c = &self.config;
 
         let w = model.weights();
         w.token_embedding.dequantize_row(token as usize, &mut self.x);
@@ -133,6 +254,31 @@ impl Forward {
         rmsnorm(&mut self.xb, &self.x, &w.final_norm, c.norm_eps);
         model.classifier().matvec(&self.xb, &mut self.logits);
         Ok(&self.logits)
+    }
+
+    /// Checks what [`Forward::step`] and [`Forward::prefill`] need of the model, the position and
+    /// the cache before running a token at `pos`.
+    fn check<C: KvCache + ?Sized>(&self, model: &Model, cache: &C, pos: usize) -> Result<(), InferError> {
+        let c = &self.config;
+        if model.config() != c {
+            return Err(InferError::InvalidArgument(
+                "this Forward was built for a model with another configuration; build one per model".to_owned(),
+            ));
+        }
+        if pos >= c.seq_len {
+            return Err(InferError::InvalidArgument(format!(
+                "position {pos} is past the model's context of {} tokens (seq_len)",
+                c.seq_len
+            )));
+        }
+        if let Some(layer) = (0..c.layers).find(|&l| cache.tokens(l) != pos) {
+            return Err(InferError::InvalidArgument(format!(
+                "position {pos} does not follow the cache: layer {layer} holds {} tokens; feed positions \
+                 in order, starting at 0",
+                cache.tokens(layer)
+            )));
+        }
+        Ok(())
     }
 }
 

@@ -1,8 +1,8 @@
 //! Greedy generation: feed a prompt, then always take the most likely next token.
 //!
 //! The loop is llama2.c `run.c`'s: `steps` forward passes at positions `0..steps`. While the prompt
-//! lasts, its next token is fed (teacher forcing); after that the argmax of the logits is generated
-//! and fed back. Generation ends after `steps` positions, or as soon as the model emits one of the
+//! lasts, its next token is fed (teacher forcing; one [`Forward::prefill`], bit for bit the same as
+//! feeding them one by one); after that the argmax of the logits is generated and fed back. Generation ends after `steps` positions, or as soon as the model emits one of the
 //! stop tokens, which is neither kept nor fed. Which tokens stop is the vocabulary's convention
 //! ([`crate::Tokenizer::stop_tokens`]): BOS for llama2.c models, as `run.c` does; `<|im_end|>` and
 //! `<|endoftext|>` for SmolLM2.
@@ -53,9 +53,9 @@ pub fn generate_greedy<C: KvCache + ?Sized>(
     steps: usize,
     stop: &[u32],
 ) -> Result<Generation, InferError> {
-    let Some(&first) = prompt.first() else {
+    if prompt.is_empty() {
         return Err(InferError::InvalidArgument("the prompt is empty; start from at least one token (BOS)".to_owned()));
-    };
+    }
     let seq_len = model.config().seq_len;
     if steps > seq_len {
         return Err(InferError::InvalidArgument(format!(
@@ -64,23 +64,29 @@ pub fn generate_greedy<C: KvCache + ?Sized>(
     }
     let mut forward = Forward::new(model);
     let mut out = Generation { fed: Vec::with_capacity(steps), generated: Vec::new(), stop: Stop::Steps };
-    let mut token = first;
-    for pos in 0..steps {
-        let logits = forward.step(model, cache, token, pos)?;
-        out.fed.push(token);
-        let next = match prompt.get(pos + 1) {
-            Some(&forced) => forced,
-            None => {
-                let chosen = argmax(logits);
-                if stop.contains(&chosen) {
-                    out.stop = Stop::Token(chosen);
-                    break;
-                }
-                out.generated.push(chosen);
-                chosen
-            }
-        };
-        token = next;
+    // The prompt's tokens (as many as the steps allow) in one prefill: the logits after the last
+    // are bit for bit those of feeding them one by one.
+    let forced = prompt.len().min(steps);
+    if forced == 0 {
+        return Ok(out);
+    }
+    let mut logits = forward.prefill(model, cache, &prompt[..forced], 0)?;
+    out.fed.extend_from_slice(&prompt[..forced]);
+    if forced < prompt.len() {
+        return Ok(out);
+    }
+    for pos in forced..=steps {
+        let chosen = argmax(logits);
+        if stop.contains(&chosen) {
+            out.stop = Stop::Token(chosen);
+            break;
+        }
+        out.generated.push(chosen);
+        if pos == steps {
+            break;
+        }
+        logits = forward.step(model, cache, chosen, pos)?;
+        out.fed.push(chosen);
     }
     Ok(out)
 }

@@ -169,6 +169,33 @@ impl Matrix {
     }
 }
 
+impl Matrix {
+    /// `outs[t] = self · xs[t]` for a batch of inputs: `xs` holds `n` inputs of `cols` one after
+    /// another, `outs` their `n` outputs of `rows`. Each output is bit for bit [`Matrix::matvec`]
+    /// of its input: the AVX-512 quantized products decode each weight block once for up to eight
+    /// inputs (a prompt's tokens) and repeat the matrix–vector arithmetic for each; elsewhere
+    /// this is `matvec` per input.
+    pub fn matmul(&self, xs: &[f32], outs: &mut [f32]) {
+        debug_assert!(xs.len().is_multiple_of(self.cols), "matmul inputs are whole rows");
+        let n = xs.len() / self.cols;
+        debug_assert_eq!(outs.len(), n * self.rows, "matmul output length");
+        #[cfg(target_arch = "x86_64")]
+        if let Some(avx) = Avx512::detect() {
+            match &self.storage {
+                Storage::F32(_) => {}
+                Storage::Q4_1(blocks) => {
+                    let sums: Vec<f32> = xs.chunks_exact(self.cols).flat_map(block_sums).collect();
+                    return avx.matmul_q4_1(blocks, self.cols, xs, &sums, outs);
+                }
+                Storage::Q8_0(blocks) => return avx.matmul_q8_0(blocks, self.cols, xs, outs),
+            }
+        }
+        for (x, out) in xs.chunks_exact(self.cols).zip(outs.chunks_exact_mut(self.rows)) {
+            self.matvec(x, out);
+        }
+    }
+}
+
 /// Checks a block count against `rows × cols` and reports the first non-finite block.
 fn check_blocks(
     what: &str,

@@ -77,6 +77,71 @@ impl Avx512 {
     }
 }
 
+/// Inputs computed together by the batched products: each weight block is decoded once for them.
+const TOKENS: usize = 8;
+
+impl Avx512 {
+    /// `outs[t][i] = Σ_j w[i][j] · xs[t][j]` for every input `t` of `xs` (each `cols` long, `cols`
+    /// = 32 × blocks per row), for `Q4_1` rows; `sums` holds each input's block sums, input after
+    /// input. Each output is bit for bit what [`Avx512::matvec_q4_1`] gives for that input alone:
+    /// the same operations in the same order, only the weights' decoding is shared. Panics when
+    /// the lengths disagree.
+    pub(crate) fn matmul_q4_1(self, blocks: &[BlockQ4_1], cols: usize, xs: &[f32], sums: &[f32], outs: &mut [f32]) {
+        let (inputs, rows, per_row) = check_batch(blocks.len(), cols, xs, outs.len());
+        assert_eq!(sums.len(), inputs.len(), "one block sum per input block");
+        for (i, row) in blocks.chunks_exact(per_row).enumerate() {
+            for (group, first) in inputs.chunks(TOKENS * per_row).zip((0..).step_by(TOKENS)) {
+                let mut put = |t: usize, y: f32| outs[(first + t) * rows + i] = y;
+                let group_sums = &sums[first * per_row..][..group.len()];
+                if group.len() == TOKENS * per_row {
+                    // SAFETY: `self` proves AVX-512 F; the group is `TOKENS` inputs of a row's blocks.
+                    let y = unsafe { q4_1_inputs::<TOKENS>(row, group, group_sums) };
+                    y.iter().enumerate().for_each(|(t, &y)| put(t, y));
+                } else {
+                    for t in 0..group.len() / per_row {
+                        let x = &group[t * per_row..][..per_row];
+                        // SAFETY: as above, one input.
+                        put(t, unsafe { q4_1_inputs::<1>(row, x, &group_sums[t * per_row..][..per_row]) }[0]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// As [`Avx512::matmul_q4_1`], for `Q8_0` rows (bit for bit [`Avx512::matvec_q8_0`] per input).
+    pub(crate) fn matmul_q8_0(self, blocks: &[BlockQ8_0], cols: usize, xs: &[f32], outs: &mut [f32]) {
+        let (inputs, rows, per_row) = check_batch(blocks.len(), cols, xs, outs.len());
+        for (i, row) in blocks.chunks_exact(per_row).enumerate() {
+            for (group, first) in inputs.chunks(TOKENS * per_row).zip((0..).step_by(TOKENS)) {
+                let mut put = |t: usize, y: f32| outs[(first + t) * rows + i] = y;
+                if group.len() == TOKENS * per_row {
+                    // SAFETY: `self` proves AVX-512 F; the group is `TOKENS` inputs of a row's blocks.
+                    let y = unsafe { q8_0_inputs::<TOKENS>(row, group) };
+                    y.iter().enumerate().for_each(|(t, &y)| put(t, y));
+                } else {
+                    for t in 0..group.len() / per_row {
+                        // SAFETY: as above, one input.
+                        put(t, unsafe { q8_0_inputs::<1>(row, &group[t * per_row..][..per_row]) }[0]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The inputs of a batch as blocks (input after input), the rows, and the blocks per row, after checking that the
+/// batch is whole inputs of `cols` and `blocks` is one row of blocks per output of each.
+fn check_batch(blocks: usize, cols: usize, xs: &[f32], outs: usize) -> (&[[f32; BLOCK]], usize, usize) {
+    assert!(cols > 0 && cols.is_multiple_of(BLOCK), "inputs are whole blocks of {BLOCK}");
+    assert!(xs.len().is_multiple_of(cols), "the batch is whole inputs of {cols}");
+    let n = xs.len() / cols;
+    let per_row = cols / BLOCK;
+    assert!(n > 0 && outs.is_multiple_of(n), "one output row per input");
+    let rows = outs / n;
+    assert_eq!(blocks, rows * per_row, "one row of blocks per output");
+    (xs.as_chunks::<BLOCK>().0, rows, per_row)
+}
+
 /// The input as blocks and the blocks per row, after checking that `blocks` is `rows` rows of them.
 fn check(blocks: usize, x: &[f32], rows: usize) -> (&[[f32; BLOCK]], usize) {
     let (x, rest) = x.as_chunks::<BLOCK>();
@@ -158,6 +223,68 @@ fn prefetch_ahead<T>(block: &T, group: usize) {
 /// Row groups ahead that [`prefetch_ahead`] asks for.
 const AHEAD: usize = 2;
 
+/// The products of one `Q4_1` row with `T` inputs (`x` and `sums` input after input), each exactly
+/// as [`q4_1_rows`] computes it.
+///
+/// # Safety
+/// The CPU runs AVX-512 F.
+#[target_feature(enable = "avx512f")]
+unsafe fn q4_1_inputs<const T: usize>(row: &[BlockQ4_1], x: &[[f32; BLOCK]], sums: &[f32]) -> [f32; T] {
+    let n = row.len();
+    assert!(x.len() == T * n && sums.len() == T * n, "{T} inputs of {n} blocks and their sums");
+    let nibble = _mm512_set1_epi32(15);
+    let mut acc = [_mm512_setzero_ps(); T];
+    let mut offset = [0.0f32; T];
+    for (b, block) in row.iter().enumerate() {
+        // SAFETY: `qs` is 16 bytes.
+        let codes = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(block.qs.as_ptr().cast()) });
+        let lo = _mm512_cvtepi32_ps(_mm512_and_si512(codes, nibble));
+        let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(codes));
+        let d = _mm512_set1_ps(block.d);
+        for t in 0..T {
+            let (x_lo, x_hi) = load_block(&x[t * n + b]);
+            let p = _mm512_fmadd_ps(hi, x_hi, _mm512_mul_ps(lo, x_lo));
+            acc[t] = _mm512_fmadd_ps(d, p, acc[t]);
+            offset[t] += block.m * sums[t * n + b];
+        }
+    }
+    let mut out = [0.0; T];
+    for t in 0..T {
+        out[t] = _mm512_reduce_add_ps(acc[t]) + offset[t];
+    }
+    out
+}
+
+/// The products of one `Q8_0` row with `T` inputs (`x` input after input), each exactly as
+/// [`q8_0_rows`] computes it.
+///
+/// # Safety
+/// The CPU runs AVX-512 F.
+#[target_feature(enable = "avx512f")]
+unsafe fn q8_0_inputs<const T: usize>(row: &[BlockQ8_0], x: &[[f32; BLOCK]]) -> [f32; T] {
+    let n = row.len();
+    assert_eq!(x.len(), T * n, "{T} inputs of {n} blocks");
+    let mut acc = [_mm512_setzero_ps(); T];
+    for (b, block) in row.iter().enumerate() {
+        let q = block.qs.as_ptr();
+        // SAFETY: `qs` is 32 bytes: two loads of 16.
+        let (lo, hi) = unsafe { (_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast())) };
+        let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+        let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+        let d = _mm512_set1_ps(block.d);
+        for t in 0..T {
+            let (x_lo, x_hi) = load_block(&x[t * n + b]);
+            let p = _mm512_fmadd_ps(hi, x_hi, _mm512_mul_ps(lo, x_lo));
+            acc[t] = _mm512_fmadd_ps(d, p, acc[t]);
+        }
+    }
+    let mut out = [0.0; T];
+    for t in 0..T {
+        out[t] = _mm512_reduce_add_ps(acc[t]);
+    }
+    out
+}
+
 /// A block of the input as its two halves of 16 lanes.
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -224,6 +351,51 @@ mod tests {
                 );
                 assert!((got4[i] - want4).abs() <= tol4, "q4_1 {rows}×{per_row} row {i}: {} vs {want4}", got4[i]);
                 assert!((got8[i] - want8).abs() <= tol8, "q8_0 {rows}×{per_row} row {i}: {} vs {want8}", got8[i]);
+            }
+        }
+    }
+
+    /// Batches that are not a multiple of the input group, against the matrix–vector products of
+    /// each input alone, bit for bit.
+    #[test]
+    fn a_batched_product_gives_each_input_exactly_its_matvec() {
+        let Some(avx) = Avx512::detect() else {
+            eprintln!("skipped: this CPU has no AVX-512 F");
+            return;
+        };
+        let mut s = Stream(0x2545_f491_4f6c_dd1d);
+        for (rows, per_row, inputs) in [(1, 1, 1), (5, 3, 8), (6, 18, 13), (3, 2, 17)] {
+            let cols = per_row * BLOCK;
+            let xs: Vec<f32> = (0..inputs * cols).map(|_| s.unit()).collect();
+            let sums: Vec<f32> = xs.chunks_exact(cols).flat_map(block_sums).collect();
+            let q4: Vec<BlockQ4_1> = (0..rows * per_row)
+                .map(|_| BlockQ4_1 {
+                    d: s.unit() * 0.1,
+                    m: s.unit() * 0.2,
+                    qs: std::array::from_fn(|_| s.next() as u8),
+                })
+                .collect();
+            let q8: Vec<BlockQ8_0> = (0..rows * per_row)
+                .map(|_| BlockQ8_0 { d: s.unit() * 0.01, qs: std::array::from_fn(|_| s.next() as i8) })
+                .collect();
+            let (mut got4, mut got8) = (vec![f32::NAN; inputs * rows], vec![f32::NAN; inputs * rows]);
+            avx.matmul_q4_1(&q4, cols, &xs, &sums, &mut got4);
+            avx.matmul_q8_0(&q8, cols, &xs, &mut got8);
+            for (t, x) in xs.chunks_exact(cols).enumerate() {
+                let (mut want4, mut want8) = (vec![0.0; rows], vec![0.0; rows]);
+                avx.matvec_q4_1(&q4, x, &block_sums(x), &mut want4);
+                avx.matvec_q8_0(&q8, x, &mut want8);
+                let bits = |v: &[f32]| v.iter().map(|y| y.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got4[t * rows..][..rows]),
+                    bits(&want4),
+                    "q4_1 {rows}×{per_row}, input {t} of {inputs}"
+                );
+                assert_eq!(
+                    bits(&got8[t * rows..][..rows]),
+                    bits(&want8),
+                    "q8_0 {rows}×{per_row}, input {t} of {inputs}"
+                );
             }
         }
     }

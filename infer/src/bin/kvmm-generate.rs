@@ -371,10 +371,7 @@ fn generate(
     let stop = tokenizer.stop_tokens();
 
     let prefill = Instant::now();
-    let mut next = 0;
-    for (pos, &token) in prompt.iter().enumerate() {
-        next = argmax(forward.step(model, cache.as_kv_cache(), token, pos)?);
-    }
+    let mut next = argmax(forward.prefill(model, cache.as_kv_cache(), prompt, 0)?);
     cache.after_step()?;
     let prefill_seconds = prefill.elapsed().as_secs_f64();
 
