@@ -14,7 +14,8 @@
 //! largest stored element; NaN is skipped, as [`write_rows`] skips it), eight channels' bounds
 //! reduced at once by a transposing reduction. Values: the parameters of 16 tokens of a group are
 //! decoded at once, each token's pair broadcast from its lane, and the same FMA and rounding run
-//! over the token's codes.
+//! over the token's codes; for 4- and 2-bit codes they run once per group and code value instead
+//! (a table of 16 rounded values), and the group's 32 codes pick from it with one `vpermw`.
 //! Other outputs (bf16) and shapes take the reference path, which is the definition.
 //!
 //! Memory safety of the AVX-512 path rests on the checks of [`dequantize_page_with`]: the source
@@ -124,6 +125,34 @@ mod avx512 {
         }
     }
 
+    /// The 32 `B`-bit codes (`B` 4 or 2) at `src`, in order, as 16-bit lanes: indices for a table
+    /// of the group's values.
+    ///
+    /// # Safety
+    ///
+    /// `src` must be valid for reading `4 × B` bytes; the CPU must support the enabled features.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn codes32<const B: usize>(src: *const u8) -> __m512i {
+        if B == 4 {
+            // Byte k holds codes 2k (low nibble) and 2k + 1: as dword k, the low nibble stays in
+            // word 2k's low bits and the high nibble moves to word 2k + 1's.
+            // SAFETY: the caller guarantees 16 readable bytes.
+            let d = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(src.cast()) });
+            _mm512_and_si512(_mm512_or_si512(d, _mm512_slli_epi32::<12>(d)), _mm512_set1_epi32(0x000f_000f))
+        } else {
+            // Byte k holds codes 4k .. 4k + 3, two bits each, lowest first: as qword k, code 4k + i
+            // moves to word 4k + i's low bits.
+            // SAFETY: the caller guarantees 8 readable bytes.
+            let q = _mm512_cvtepu8_epi64(unsafe { _mm_loadl_epi64(src.cast()) });
+            let words = _mm512_or_si512(
+                _mm512_or_si512(q, _mm512_slli_epi64::<14>(q)),
+                _mm512_or_si512(_mm512_slli_epi64::<28>(q), _mm512_slli_epi64::<42>(q)),
+            );
+            _mm512_and_si512(words, _mm512_set1_epi16(0x3))
+        }
+    }
+
     /// [`to_f16_page`] for `KB`-bit keys and `VB`-bit values.
     ///
     /// # Safety
@@ -218,18 +247,44 @@ mod avx512 {
                         continue;
                     }
                     let lane = _mm512_set1_epi32((t - t0) as i32);
-                    // SAFETY: token row `t` of the source's V codes (`dim × VB / 8` bytes, read 16 codes
-                    // at a time, `dim` a multiple of 16); elements `(h, t, 0..dim)` of `dst`'s V region.
+                    // SAFETY: token row `t` of the source's V codes (`dim × VB / 8` bytes, read 16 or 32
+                    // codes at a time, `dim` a multiple of 16); elements `(h, t, 0..dim)` of `dst`'s V
+                    // region.
                     unsafe {
                         let codes = s.add(layout.v_codes(h) + t * v_row);
-                        for c in (0..dim).step_by(LANES) {
-                            let (scale, min) = params[c / V_GROUP];
-                            let x = _mm512_fmadd_ps(
-                                codes16::<VB>(codes.add(c * VB / 8)),
-                                _mm512_permutexvar_ps(lane, scale),
-                                _mm512_permutexvar_ps(lane, min),
-                            );
-                            _mm256_storeu_si256(out.add(2 * c).cast(), _mm512_cvtps_ph::<NEAREST>(x));
+                        if VB == 8 {
+                            for c in (0..dim).step_by(LANES) {
+                                let (scale, min) = params[c / V_GROUP];
+                                let x = _mm512_fmadd_ps(
+                                    codes16::<VB>(codes.add(c * VB / 8)),
+                                    _mm512_permutexvar_ps(lane, scale),
+                                    _mm512_permutexvar_ps(lane, min),
+                                );
+                                _mm256_storeu_si256(out.add(2 * c).cast(), _mm512_cvtps_ph::<NEAREST>(x));
+                            }
+                            continue;
+                        }
+                        for (j, &(scale, min)) in params.iter().enumerate().take(groups) {
+                            let (scale, min) = (_mm512_permutexvar_ps(lane, scale), _mm512_permutexvar_ps(lane, min));
+                            let c0 = j * V_GROUP;
+                            if c0 + V_GROUP <= dim {
+                                // A whole group of narrow codes: the group's 2^VB values, rounded
+                                // as every element is, then looked up 32 at a time.
+                                let table = _mm512_castsi256_si512(_mm512_cvtps_ph::<NEAREST>(_mm512_fmadd_ps(
+                                    _mm512_setr_ps(
+                                        0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.,
+                                    ),
+                                    scale,
+                                    min,
+                                )));
+                                let x = _mm512_permutexvar_epi16(codes32::<VB>(codes.add(c0 * VB / 8)), table);
+                                _mm512_storeu_si512(out.add(2 * c0).cast(), x);
+                                continue;
+                            }
+                            for c in (c0..dim.min(c0 + V_GROUP)).step_by(LANES) {
+                                let x = _mm512_fmadd_ps(codes16::<VB>(codes.add(c * VB / 8)), scale, min);
+                                _mm256_storeu_si256(out.add(2 * c).cast(), _mm512_cvtps_ph::<NEAREST>(x));
+                            }
                         }
                     }
                 }
