@@ -52,7 +52,7 @@
 //! (stored exactly) while padded value zeros join their token's value group, widening its range
 //! when the real channels do not straddle 0 (as in `quality`).
 
-use kvmm_kernels::precision::{HI_SHARE, Ladder, allocate_by_mass, uniform_bytes};
+use kvmm_kernels::precision::{HI_SHARE, Ladder, allocate_by_age, allocate_by_mass, graded_hi_pages, uniform_bytes};
 use kvmm_kernels::{AttnShape, DecodeAttention, Format, KernelError, PageShape, PageView, init_page, requantize};
 
 use crate::config::ModelConfig;
@@ -183,14 +183,15 @@ pub fn demotion_formats(
             .collect(),
         Storage::Graded { window } => {
             let recent = graded_recent_pages(shape, element, window);
-            let n = candidates.len();
+            let allocated = allocate_by_age(candidates.len(), recent, Format::K8V4, Format::Q4);
             candidates
                 .iter()
-                .enumerate()
-                .map(|(c, &(current, _))| {
-                    let to = if c + recent >= n { Format::K8V4 } else { Format::Q4 };
-                    if !current.is_quantized() || bits(to) < bits(current) { to } else { current }
-                })
+                .zip(allocated)
+                .map(
+                    |(&(current, _), to)| {
+                        if !current.is_quantized() || bits(to) < bits(current) { to } else { current }
+                    },
+                )
                 .collect()
         }
         Storage::Adaptive { mode, step_down } => {
@@ -217,8 +218,7 @@ pub fn demotion_formats(
 /// between k8v4 and q4 (11 for SmolLM2's pages with a 64-token window). Pure.
 pub fn graded_recent_pages(shape: PageShape, element: Format, window: usize) -> usize {
     let saved = RECENT_WINDOW_TOKENS.saturating_sub(window) / shape.block_tokens;
-    let (full, k8v4, q4) = (shape.page_bytes(element), shape.page_bytes(Format::K8V4), shape.page_bytes(Format::Q4));
-    saved * (full - q4) / (k8v4 - q4)
+    graded_hi_pages(shape, element, Format::K8V4, Format::Q4, saved)
 }
 
 impl Storage {
