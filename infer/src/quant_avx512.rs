@@ -156,7 +156,6 @@ fn check(blocks: usize, x: &[f32], rows: usize) -> (&[[f32; BLOCK]], usize) {
 /// The CPU runs AVX-512 F.
 #[target_feature(enable = "avx512f")]
 unsafe fn q4_1_rows<const R: usize>(rows: [&[BlockQ4_1]; R], x: &[[f32; BLOCK]], sums: &[f32]) -> [f32; R] {
-    let nibble = _mm512_set1_epi32(15);
     let mut acc = [_mm512_setzero_ps(); R];
     let mut offset = [0.0f32; R];
     for (b, (xb, &sum)) in x.iter().zip(sums).enumerate() {
@@ -164,12 +163,7 @@ unsafe fn q4_1_rows<const R: usize>(rows: [&[BlockQ4_1]; R], x: &[[f32; BLOCK]],
         for r in 0..R {
             let block = &rows[r][b];
             prefetch_ahead(block, R * x.len());
-            // SAFETY: `qs` is 16 bytes.
-            let codes = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(block.qs.as_ptr().cast()) });
-            let lo = _mm512_cvtepi32_ps(_mm512_and_si512(codes, nibble));
-            let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(codes));
-            let t = _mm512_fmadd_ps(hi, x_hi, _mm512_mul_ps(lo, x_lo));
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(block.d), t, acc[r]);
+            acc[r] = accumulate(acc[r], block.d, codes_q4_1(block), (x_lo, x_hi));
             offset[r] += block.m * sum;
         }
     }
@@ -192,13 +186,7 @@ unsafe fn q8_0_rows<const R: usize>(rows: [&[BlockQ8_0]; R], x: &[[f32; BLOCK]])
         for r in 0..R {
             let block = &rows[r][b];
             prefetch_ahead(block, R * x.len());
-            let q = block.qs.as_ptr();
-            // SAFETY: `qs` is 32 bytes: two loads of 16.
-            let (lo, hi) = unsafe { (_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast())) };
-            let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
-            let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
-            let t = _mm512_fmadd_ps(hi, x_hi, _mm512_mul_ps(lo, x_lo));
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(block.d), t, acc[r]);
+            acc[r] = accumulate(acc[r], block.d, codes_q8_0(block), (x_lo, x_hi));
         }
     }
     let mut out = [0.0; R];
@@ -232,19 +220,12 @@ const AHEAD: usize = 2;
 unsafe fn q4_1_inputs<const T: usize>(row: &[BlockQ4_1], x: &[[f32; BLOCK]], sums: &[f32]) -> [f32; T] {
     let n = row.len();
     assert!(x.len() == T * n && sums.len() == T * n, "{T} inputs of {n} blocks and their sums");
-    let nibble = _mm512_set1_epi32(15);
     let mut acc = [_mm512_setzero_ps(); T];
     let mut offset = [0.0f32; T];
     for (b, block) in row.iter().enumerate() {
-        // SAFETY: `qs` is 16 bytes.
-        let codes = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(block.qs.as_ptr().cast()) });
-        let lo = _mm512_cvtepi32_ps(_mm512_and_si512(codes, nibble));
-        let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(codes));
-        let d = _mm512_set1_ps(block.d);
+        let codes = codes_q4_1(block);
         for t in 0..T {
-            let (x_lo, x_hi) = load_block(&x[t * n + b]);
-            let p = _mm512_fmadd_ps(hi, x_hi, _mm512_mul_ps(lo, x_lo));
-            acc[t] = _mm512_fmadd_ps(d, p, acc[t]);
+            acc[t] = accumulate(acc[t], block.d, codes, load_block(&x[t * n + b]));
             offset[t] += block.m * sums[t * n + b];
         }
     }
@@ -266,16 +247,9 @@ unsafe fn q8_0_inputs<const T: usize>(row: &[BlockQ8_0], x: &[[f32; BLOCK]]) -> 
     assert_eq!(x.len(), T * n, "{T} inputs of {n} blocks");
     let mut acc = [_mm512_setzero_ps(); T];
     for (b, block) in row.iter().enumerate() {
-        let q = block.qs.as_ptr();
-        // SAFETY: `qs` is 32 bytes: two loads of 16.
-        let (lo, hi) = unsafe { (_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast())) };
-        let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
-        let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
-        let d = _mm512_set1_ps(block.d);
+        let codes = codes_q8_0(block);
         for t in 0..T {
-            let (x_lo, x_hi) = load_block(&x[t * n + b]);
-            let p = _mm512_fmadd_ps(hi, x_hi, _mm512_mul_ps(lo, x_lo));
-            acc[t] = _mm512_fmadd_ps(d, p, acc[t]);
+            acc[t] = accumulate(acc[t], block.d, codes, load_block(&x[t * n + b]));
         }
     }
     let mut out = [0.0; T];
@@ -283,6 +257,37 @@ unsafe fn q8_0_inputs<const T: usize>(row: &[BlockQ8_0], x: &[[f32; BLOCK]]) -> 
         out[t] = _mm512_reduce_add_ps(acc[t]);
     }
     out
+}
+
+/// A `Q4_1` block's codes as floats: lane `j` of the first vector is weight `j` (low nibbles),
+/// of the second weight `j + 16` (high nibbles).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn codes_q4_1(block: &BlockQ4_1) -> (__m512, __m512) {
+    // SAFETY: `qs` is 16 bytes.
+    let codes = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(block.qs.as_ptr().cast()) });
+    let lo = _mm512_cvtepi32_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)));
+    (lo, _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(codes)))
+}
+
+/// A `Q8_0` block's codes as floats: weights `0..16` and `16..32`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn codes_q8_0(block: &BlockQ8_0) -> (__m512, __m512) {
+    let q = block.qs.as_ptr();
+    // SAFETY: `qs` is 32 bytes: two loads of 16.
+    let (lo, hi) = unsafe { (_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast())) };
+    (_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)))
+}
+
+/// `acc + d · (codes · x)` lane by lane, the one arithmetic every product here repeats per block
+/// (low half times the input's low half, then the high half fused in, then scaled into `acc`), so
+/// that the row-grouped and the input-grouped products round alike.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn accumulate(acc: __m512, d: f32, (lo, hi): (__m512, __m512), (x_lo, x_hi): (__m512, __m512)) -> __m512 {
+    let t = _mm512_fmadd_ps(hi, x_hi, _mm512_mul_ps(lo, x_lo));
+    _mm512_fmadd_ps(_mm512_set1_ps(d), t, acc)
 }
 
 /// A block of the input as its two halves of 16 lanes.
