@@ -129,7 +129,7 @@ impl Forward {
         if tokens.is_empty() {
             return Err(InferError::InvalidArgument("a prefill needs at least one token".to_owned()));
         }
-        if pos + tokens.len() > c.seq_len {
+        if pos.checked_add(tokens.len()).is_none_or(|end| end > c.seq_len) {
             return Err(InferError::InvalidArgument(format!(
                 "{} tokens from position {pos} run past the model's context of {} tokens (seq_len)",
                 tokens.len(),
@@ -145,8 +145,8 @@ impl Forward {
         let mut at = pos;
         let mut batch = Batch::default();
         for group in tokens.chunks(PREFILL_TOKENS) {
-            // `step` checks the model, the first token's position and the cache; the group's
-            // other tokens follow from those.
+            // The model, the group's first position and the cache, as `step` checks them; the
+            // group's other positions follow.
             self.check(model, cache, at)?;
             self.prefill_group(model, cache, group, at, &mut batch)?;
             at += group.len();
