@@ -28,16 +28,24 @@ use crate::rope::Rope;
 /// Tokens a [`Forward::prefill`] runs through each layer together (its buffers hold this many).
 pub const PREFILL_TOKENS: usize = 64;
 
-/// Buffers of a prefill group: one row per token of each of [`Forward`]'s per-token buffers.
-#[derive(Debug, Default)]
+/// The activations of the tokens run together (one for a step, up to [`PREFILL_TOKENS`] for a
+/// prefill group): one row per token in each buffer, token after token.
+#[derive(Clone, Debug, Default)]
 struct Batch {
+    /// The residual stream, `dim` per token.
     x: Vec<f32>,
+    /// Normed input of a sub-block, `dim` per token.
     xb: Vec<f32>,
+    /// Output of a sub-block before the residual add, `dim` per token.
     xb2: Vec<f32>,
+    /// Query, `q_dim` per token.
     q: Vec<f32>,
+    /// Attention output, `q_dim` per token.
     attn: Vec<f32>,
+    /// Key and value, `kv_dim` per token.
     k: Vec<f32>,
     v: Vec<f32>,
+    /// FFN gate and up activations, `hidden_dim` per token.
     hb: Vec<f32>,
     hb2: Vec<f32>,
 }
@@ -63,28 +71,15 @@ impl Batch {
     }
 }
 
-/// Scratch state for running one model, one token at a time.
+/// Scratch state for running one model: a token at a time, or a prompt's tokens together.
 #[derive(Clone, Debug)]
 pub struct Forward {
     /// The configuration the buffers are sized for.
     config: ModelConfig,
     rope: Rope,
-    /// The residual stream, `dim`.
-    x: Vec<f32>,
-    /// Normed input of a sub-block, `dim`.
-    xb: Vec<f32>,
-    /// Output of a sub-block before the residual add, `dim`.
-    xb2: Vec<f32>,
-    /// Query, then attention output: `q_dim`.
-    q: Vec<f32>,
-    attn: Vec<f32>,
-    /// Key and value of this token, `kv_dim`.
-    k: Vec<f32>,
-    v: Vec<f32>,
-    /// FFN gate and up activations, `hidden_dim`.
-    hb: Vec<f32>,
-    hb2: Vec<f32>,
-    /// Output of the last step, `vocab_size`.
+    /// The activations of the tokens being run (resized per call).
+    batch: Batch,
+    /// Output of the last step or prefill, `vocab_size`.
     logits: Vec<f32>,
 }
 
@@ -92,20 +87,7 @@ impl Forward {
     /// Buffers for `model`.
     pub fn new(model: &Model) -> Self {
         let c = *model.config();
-        Self {
-            config: c,
-            rope: Rope::new(&c),
-            x: vec![0.0; c.dim],
-            xb: vec![0.0; c.dim],
-            xb2: vec![0.0; c.dim],
-            q: vec![0.0; c.q_dim()],
-            attn: vec![0.0; c.q_dim()],
-            k: vec![0.0; c.kv_dim()],
-            v: vec![0.0; c.kv_dim()],
-            hb: vec![0.0; c.hidden_dim],
-            hb2: vec![0.0; c.hidden_dim],
-            logits: vec![0.0; c.vocab_size],
-        }
+        Self { config: c, rope: Rope::new(&c), batch: Batch::default(), logits: vec![0.0; c.vocab_size] }
     }
 
     /// Runs `tokens` at positions `pos..pos + tokens.len()` (a prompt), appending their keys and
@@ -143,29 +125,29 @@ impl Forward {
             )));
         }
         let mut at = pos;
-        let mut batch = Batch::default();
         for group in tokens.chunks(PREFILL_TOKENS) {
             // The model, the group's first position and the cache, as `step` checks them; the
             // group's other positions follow.
             self.check(model, cache, at)?;
-            self.prefill_group(model, cache, group, at, &mut batch)?;
+            self.run(model, cache, group, at)?;
             at += group.len();
         }
         Ok(&self.logits)
     }
 
-    /// Runs one group of a prefill (see [`Forward::prefill`]), `step`'s operations token by token
-    /// between the batched matrix products.
-    fn prefill_group<C: KvCache + ?Sized>(
+    /// Runs `tokens` (checked) at positions `pos..`, layer by layer (the module's block order):
+    /// the matrix products over all of them at once, the rest token by token, each token's
+    /// attention right after its own append. Leaves the logits after the last token.
+    fn run<C: KvCache + ?Sized>(
         &mut self,
         model: &Model,
         cache: &mut C,
         tokens: &[u32],
         pos: usize,
-        b: &mut Batch,
     ) -> Result<(), InferError> {
         let c = self.config;
         let n = tokens.len();
+        let b = &mut self.batch;
         b.size(&c, n);
         let w = model.weights();
         for (x, &token) in b.x.chunks_exact_mut(c.dim).zip(tokens) {
@@ -200,9 +182,9 @@ impl Forward {
             lw.w2.matmul(&b.hb, &mut b.xb2);
             add(&mut b.x, &b.xb2);
         }
-        self.x.copy_from_slice(&b.x[(n - 1) * c.dim..]);
-        rmsnorm(&mut self.xb, &self.x, &w.final_norm, c.norm_eps);
-        model.classifier().matvec(&self.xb, &mut self.logits);
+        let last = (n - 1) * c.dim;
+        rmsnorm(&mut b.xb[last..], &b.x[last..], &w.final_norm, c.norm_eps);
+        model.classifier().matvec(&b.xb[last..], &mut self.logits);
         Ok(())
     }
 
@@ -226,33 +208,7 @@ impl Forward {
             )));
         }
         self.check(model, cache, pos)?;
-        let c = &self.config;
-
-        let w = model.weights();
-        w.token_embedding.dequantize_row(token as usize, &mut self.x);
-        for (l, lw) in w.layers.iter().enumerate() {
-            rmsnorm(&mut self.xb, &self.x, &lw.attn_norm, c.norm_eps);
-            lw.wq.matvec(&self.xb, &mut self.q);
-            lw.wk.matvec(&self.xb, &mut self.k);
-            lw.wv.matvec(&self.xb, &mut self.v);
-            self.rope.apply(&mut self.q, pos);
-            self.rope.apply(&mut self.k, pos);
-            cache.append(l, &self.k, &self.v)?;
-            cache.attention(l, &self.q, &mut self.attn)?;
-            lw.wo.matvec(&self.attn, &mut self.xb2);
-            add(&mut self.x, &self.xb2);
-
-            rmsnorm(&mut self.xb, &self.x, &lw.ffn_norm, c.norm_eps);
-            lw.w1.matvec(&self.xb, &mut self.hb);
-            lw.w3.matvec(&self.xb, &mut self.hb2);
-            for (g, u) in self.hb.iter_mut().zip(&self.hb2) {
-                *g = silu(*g) * u;
-            }
-            lw.w2.matvec(&self.hb, &mut self.xb2);
-            add(&mut self.x, &self.xb2);
-        }
-        rmsnorm(&mut self.xb, &self.x, &w.final_norm, c.norm_eps);
-        model.classifier().matvec(&self.xb, &mut self.logits);
+        self.run(model, cache, &[token], pos)?;
         Ok(&self.logits)
     }
 

@@ -173,12 +173,16 @@ impl Matrix {
     /// `outs[t] = self · xs[t]` for a batch of inputs: `xs` holds `n` inputs of `cols` one after
     /// another, `outs` their `n` outputs of `rows`. Each output is bit for bit [`Matrix::matvec`]
     /// of its input: the AVX-512 quantized products decode each weight block once for up to eight
-    /// inputs (a prompt's tokens) and repeat the matrix–vector arithmetic for each; elsewhere
-    /// this is `matvec` per input.
+    /// inputs (a prompt's tokens) and repeat the matrix–vector arithmetic for each; one input, and
+    /// every input elsewhere, is `matvec`.
     pub fn matmul(&self, xs: &[f32], outs: &mut [f32]) {
         debug_assert!(xs.len().is_multiple_of(self.cols), "matmul inputs are whole rows");
         let n = xs.len() / self.cols;
         debug_assert_eq!(outs.len(), n * self.rows, "matmul output length");
+        if n == 1 {
+            // One input (a decode step): the matrix–vector kernel, which groups rows instead.
+            return self.matvec(xs, outs);
+        }
         #[cfg(target_arch = "x86_64")]
         if let Some(avx) = Avx512::detect() {
             match &self.storage {
