@@ -148,7 +148,7 @@ impl Matrix {
                 let sums = block_sums(x);
                 #[cfg(target_arch = "x86_64")]
                 if let Some(avx) = Avx512::detect() {
-                    return avx.matvec_q4_1(blocks, x, &sums, out);
+                    return avx.matvec(blocks, x, &sums, out);
                 }
                 let xb = x.as_chunks::<BLOCK>().0;
                 for (o, row) in out.iter_mut().zip(blocks.chunks_exact(self.cols / BLOCK)) {
@@ -158,7 +158,7 @@ impl Matrix {
             Storage::Q8_0(blocks) => {
                 #[cfg(target_arch = "x86_64")]
                 if let Some(avx) = Avx512::detect() {
-                    return avx.matvec_q8_0(blocks, x, out);
+                    return avx.matvec(blocks, x, &[], out);
                 }
                 let xb = x.as_chunks::<BLOCK>().0;
                 for (o, row) in out.iter_mut().zip(blocks.chunks_exact(self.cols / BLOCK)) {
@@ -189,9 +189,9 @@ impl Matrix {
                 Storage::F32(_) => {}
                 Storage::Q4_1(blocks) => {
                     let sums: Vec<f32> = xs.chunks_exact(self.cols).flat_map(block_sums).collect();
-                    return avx.matmul_q4_1(blocks, self.cols, xs, &sums, outs);
+                    return avx.matmul(blocks, self.cols, xs, &sums, outs);
                 }
-                Storage::Q8_0(blocks) => return avx.matmul_q8_0(blocks, self.cols, xs, outs),
+                Storage::Q8_0(blocks) => return avx.matmul(blocks, self.cols, xs, &[], outs),
             }
         }
         for (x, out) in xs.chunks_exact(self.cols).zip(outs.chunks_exact_mut(self.rows)) {

@@ -28,9 +28,73 @@ use crate::quant::{BLOCK, BlockQ4_1, BlockQ8_0};
 /// Rows computed together: they share each load of the input and keep independent accumulators.
 const ROWS: usize = 4;
 
+/// Inputs computed together by the batched products: each weight block is decoded once for them.
+const TOKENS: usize = 8;
+
 /// Proof that this CPU runs AVX-512 F.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Avx512(());
+
+/// A ggml block the products read: `Q4_1` or `Q8_0`.
+pub(crate) trait Block {
+    /// Whether the block adds `m · Σ x` over its 32 inputs (`Q4_1`): the products then take the
+    /// input's block sums.
+    const OFFSET: bool;
+
+    /// The codes as floats: lane `j` of the first vector is weight `j`, of the second `j + 16`.
+    ///
+    /// # Safety
+    /// The CPU runs AVX-512 F.
+    unsafe fn codes(&self) -> (__m512, __m512);
+
+    /// The scale `d`.
+    fn scale(&self) -> f32;
+
+    /// The offset `m` (0 without one).
+    fn offset(&self) -> f32;
+}
+
+impl Block for BlockQ4_1 {
+    const OFFSET: bool = true;
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn codes(&self) -> (__m512, __m512) {
+        // SAFETY: `qs` is 16 bytes.
+        let codes = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(self.qs.as_ptr().cast()) });
+        let lo = _mm512_cvtepi32_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)));
+        (lo, _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(codes)))
+    }
+
+    fn scale(&self) -> f32 {
+        self.d
+    }
+
+    fn offset(&self) -> f32 {
+        self.m
+    }
+}
+
+impl Block for BlockQ8_0 {
+    const OFFSET: bool = false;
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn codes(&self) -> (__m512, __m512) {
+        let q = self.qs.as_ptr();
+        // SAFETY: `qs` is 32 bytes: two loads of 16.
+        let (lo, hi) = unsafe { (_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast())) };
+        (_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)))
+    }
+
+    fn scale(&self) -> f32 {
+        self.d
+    }
+
+    fn offset(&self) -> f32 {
+        0.0
+    }
+}
 
 impl Avx512 {
     /// The token, when the CPU has AVX-512 F (detected once per process).
@@ -39,89 +103,48 @@ impl Avx512 {
         DETECTED.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f")).then_some(Avx512(()))
     }
 
-    /// `out[i] = Σ_j w[i][j] · x[j]` for `Q4_1` rows of `x.len() / 32` blocks each; `sums` holds the
-    /// sum of each 32-element block of `x`. Panics when the lengths disagree.
-    pub(crate) fn matvec_q4_1(self, blocks: &[BlockQ4_1], x: &[f32], sums: &[f32], out: &mut [f32]) {
-        let (x, per_row) = check(blocks.len(), x, out.len());
-        assert_eq!(sums.len(), per_row, "one block sum per input block");
+    /// `out[i] = Σ_j w[i][j] · x[j]` for rows of `x.len() / 32` blocks each; for `Q4_1` `sums` holds
+    /// the sum of each 32-element block of `x` (for `Q8_0` it is empty). Panics when the lengths
+    /// disagree.
+    pub(crate) fn matvec<B: Block>(self, blocks: &[B], x: &[f32], sums: &[f32], out: &mut [f32]) {
+        let (x, _, per_row) = check_batch(blocks.len(), x.len(), x, out.len());
+        assert_eq!(sums.len(), if B::OFFSET { per_row } else { 0 }, "one block sum per input block");
         for (rows, o) in blocks.chunks(ROWS * per_row).zip(out.chunks_mut(ROWS)) {
             if o.len() == ROWS {
-                let rows: [&[BlockQ4_1]; ROWS] = std::array::from_fn(|r| &rows[r * per_row..][..per_row]);
+                let rows: [&[B]; ROWS] = std::array::from_fn(|r| &rows[r * per_row..][..per_row]);
                 // SAFETY: `self` proves AVX-512 F; every row has one block per input block.
-                o.copy_from_slice(&unsafe { q4_1_rows(rows, x, sums) });
+                o.copy_from_slice(&unsafe { rows_product(rows, x, sums) });
             } else {
                 for (row, o) in rows.chunks_exact(per_row).zip(o) {
                     // SAFETY: as above.
-                    *o = unsafe { q4_1_rows([row], x, sums) }[0];
+                    *o = unsafe { rows_product([row], x, sums) }[0];
                 }
             }
         }
     }
 
-    /// `out[i] = Σ_j w[i][j] · x[j]` for `Q8_0` rows of `x.len() / 32` blocks each. Panics when the
-    /// lengths disagree.
-    pub(crate) fn matvec_q8_0(self, blocks: &[BlockQ8_0], x: &[f32], out: &mut [f32]) {
-        let (x, per_row) = check(blocks.len(), x, out.len());
-        for (rows, o) in blocks.chunks(ROWS * per_row).zip(out.chunks_mut(ROWS)) {
-            if o.len() == ROWS {
-                let rows: [&[BlockQ8_0]; ROWS] = std::array::from_fn(|r| &rows[r * per_row..][..per_row]);
-                // SAFETY: `self` proves AVX-512 F; every row has one block per input block.
-                o.copy_from_slice(&unsafe { q8_0_rows(rows, x) });
-            } else {
-                for (row, o) in rows.chunks_exact(per_row).zip(o) {
-                    // SAFETY: as above.
-                    *o = unsafe { q8_0_rows([row], x) }[0];
-                }
-            }
-        }
-    }
-}
-
-/// Inputs computed together by the batched products: each weight block is decoded once for them.
-const TOKENS: usize = 8;
-
-impl Avx512 {
     /// `outs[t][i] = Σ_j w[i][j] · xs[t][j]` for every input `t` of `xs` (each `cols` long, `cols`
-    /// = 32 × blocks per row), for `Q4_1` rows; `sums` holds each input's block sums, input after
-    /// input. Each output is bit for bit what [`Avx512::matvec_q4_1`] gives for that input alone:
-    /// the same operations in the same order, only the weights' decoding is shared. Panics when
-    /// the lengths disagree.
-    pub(crate) fn matmul_q4_1(self, blocks: &[BlockQ4_1], cols: usize, xs: &[f32], sums: &[f32], outs: &mut [f32]) {
+    /// = 32 × blocks per row); for `Q4_1` `sums` holds each input's block sums, input after input
+    /// (for `Q8_0` it is empty). Each output is bit for bit what [`Avx512::matvec`] gives for that
+    /// input alone: the same operations in the same order, only the weights' decoding is shared.
+    /// Panics when the lengths disagree.
+    pub(crate) fn matmul<B: Block>(self, blocks: &[B], cols: usize, xs: &[f32], sums: &[f32], outs: &mut [f32]) {
         let (inputs, rows, per_row) = check_batch(blocks.len(), cols, xs, outs.len());
-        assert_eq!(sums.len(), inputs.len(), "one block sum per input block");
+        assert_eq!(sums.len(), if B::OFFSET { inputs.len() } else { 0 }, "one block sum per input block");
+        // The block sums of `n` inputs from input `t`, for the blocks that take them.
+        let sums_of = |t: usize, n: usize| if B::OFFSET { &sums[t * per_row..][..n * per_row] } else { &[][..] };
         for (i, row) in blocks.chunks_exact(per_row).enumerate() {
             for (group, first) in inputs.chunks(TOKENS * per_row).zip((0..).step_by(TOKENS)) {
                 let mut put = |t: usize, y: f32| outs[(first + t) * rows + i] = y;
-                let group_sums = &sums[first * per_row..][..group.len()];
                 if group.len() == TOKENS * per_row {
                     // SAFETY: `self` proves AVX-512 F; the group is `TOKENS` inputs of a row's blocks.
-                    let y = unsafe { q4_1_inputs::<TOKENS>(row, group, group_sums) };
+                    let y = unsafe { inputs_product::<B, TOKENS>(row, group, sums_of(first, TOKENS)) };
                     y.iter().enumerate().for_each(|(t, &y)| put(t, y));
                 } else {
                     for t in 0..group.len() / per_row {
                         let x = &group[t * per_row..][..per_row];
                         // SAFETY: as above, one input.
-                        put(t, unsafe { q4_1_inputs::<1>(row, x, &group_sums[t * per_row..][..per_row]) }[0]);
-                    }
-                }
-            }
-        }
-    }
-
-    /// As [`Avx512::matmul_q4_1`], for `Q8_0` rows (bit for bit [`Avx512::matvec_q8_0`] per input).
-    pub(crate) fn matmul_q8_0(self, blocks: &[BlockQ8_0], cols: usize, xs: &[f32], outs: &mut [f32]) {
-        let (inputs, rows, per_row) = check_batch(blocks.len(), cols, xs, outs.len());
-        for (i, row) in blocks.chunks_exact(per_row).enumerate() {
-            for (group, first) in inputs.chunks(TOKENS * per_row).zip((0..).step_by(TOKENS)) {
-                let mut put = |t: usize, y: f32| outs[(first + t) * rows + i] = y;
-                if group.len() == TOKENS * per_row {
-                    // SAFETY: `self` proves AVX-512 F; the group is `TOKENS` inputs of a row's blocks.
-                    let y = unsafe { q8_0_inputs::<TOKENS>(row, group) };
-                    y.iter().enumerate().for_each(|(t, &y)| put(t, y));
-                } else {
-                    for t in 0..group.len() / per_row {
-                        // SAFETY: as above, one input.
-                        put(t, unsafe { q8_0_inputs::<1>(row, &group[t * per_row..][..per_row]) }[0]);
+                        put(t, unsafe { inputs_product::<B, 1>(row, x, sums_of(first + t, 1)) }[0]);
                     }
                 }
             }
@@ -129,8 +152,9 @@ impl Avx512 {
     }
 }
 
-/// The inputs of a batch as blocks (input after input), the rows, and the blocks per row, after checking that the
-/// batch is whole inputs of `cols` and `blocks` is one row of blocks per output of each.
+/// The inputs of a batch as blocks (input after input), the rows, and the blocks per row, after
+/// checking that the batch is whole inputs of `cols` and `blocks` is one row of blocks per output
+/// of each.
 fn check_batch(blocks: usize, cols: usize, xs: &[f32], outs: usize) -> (&[[f32; BLOCK]], usize, usize) {
     assert!(cols > 0 && cols.is_multiple_of(BLOCK), "inputs are whole blocks of {BLOCK}");
     assert!(xs.len().is_multiple_of(cols), "the batch is whole inputs of {cols}");
@@ -142,58 +166,27 @@ fn check_batch(blocks: usize, cols: usize, xs: &[f32], outs: usize) -> (&[[f32; 
     (xs.as_chunks::<BLOCK>().0, rows, per_row)
 }
 
-/// The input as blocks and the blocks per row, after checking that `blocks` is `rows` rows of them.
-fn check(blocks: usize, x: &[f32], rows: usize) -> (&[[f32; BLOCK]], usize) {
-    let (x, rest) = x.as_chunks::<BLOCK>();
-    assert!(rest.is_empty(), "the input is whole blocks of {BLOCK}");
-    assert_eq!(blocks, x.len() * rows, "one row of blocks per output");
-    (x, x.len())
-}
-
-/// The `R` products of `rows` (each `x.len()` blocks) with `x`.
+/// The `R` products of `rows` (each `x.len()` blocks) with `x`; `sums` as for [`Avx512::matvec`].
 ///
 /// # Safety
 /// The CPU runs AVX-512 F.
 #[target_feature(enable = "avx512f")]
-unsafe fn q4_1_rows<const R: usize>(rows: [&[BlockQ4_1]; R], x: &[[f32; BLOCK]], sums: &[f32]) -> [f32; R] {
+unsafe fn rows_product<B: Block, const R: usize>(rows: [&[B]; R], x: &[[f32; BLOCK]], sums: &[f32]) -> [f32; R] {
     let mut acc = [_mm512_setzero_ps(); R];
     let mut offset = [0.0f32; R];
-    for (b, (xb, &sum)) in x.iter().zip(sums).enumerate() {
-        let (x_lo, x_hi) = load_block(xb);
-        for r in 0..R {
-            let block = &rows[r][b];
-            prefetch_ahead(block, R * x.len());
-            acc[r] = accumulate(acc[r], block.d, codes_q4_1(block), (x_lo, x_hi));
-            offset[r] += block.m * sum;
-        }
-    }
-    let mut out = [0.0; R];
-    for r in 0..R {
-        out[r] = _mm512_reduce_add_ps(acc[r]) + offset[r];
-    }
-    out
-}
-
-/// The `R` products of `rows` (each `x.len()` blocks) with `x`.
-///
-/// # Safety
-/// The CPU runs AVX-512 F.
-#[target_feature(enable = "avx512f")]
-unsafe fn q8_0_rows<const R: usize>(rows: [&[BlockQ8_0]; R], x: &[[f32; BLOCK]]) -> [f32; R] {
-    let mut acc = [_mm512_setzero_ps(); R];
     for (b, xb) in x.iter().enumerate() {
-        let (x_lo, x_hi) = load_block(xb);
+        let xb = load_block(xb);
         for r in 0..R {
             let block = &rows[r][b];
             prefetch_ahead(block, R * x.len());
-            acc[r] = accumulate(acc[r], block.d, codes_q8_0(block), (x_lo, x_hi));
+            // SAFETY: AVX-512 F, as the caller guarantees.
+            acc[r] = accumulate(acc[r], block.scale(), unsafe { block.codes() }, xb);
+            if B::OFFSET {
+                offset[r] += block.offset() * sums[b];
+            }
         }
     }
-    let mut out = [0.0; R];
-    for r in 0..R {
-        out[r] = _mm512_reduce_add_ps(acc[r]);
-    }
-    out
+    reduce::<B, R>(acc, offset)
 }
 
 /// Asks for the block `AHEAD` row groups after `block` (`group` blocks each), so that the four
@@ -211,73 +204,42 @@ fn prefetch_ahead<T>(block: &T, group: usize) {
 /// Row groups ahead that [`prefetch_ahead`] asks for.
 const AHEAD: usize = 2;
 
-/// The products of one `Q4_1` row with `T` inputs (`x` and `sums` input after input), each exactly
-/// as [`q4_1_rows`] computes it.
+/// The products of one row with `T` inputs (`x`, and for `Q4_1` `sums`, input after input), each
+/// exactly as [`rows_product`] computes it.
 ///
 /// # Safety
 /// The CPU runs AVX-512 F.
 #[target_feature(enable = "avx512f")]
-unsafe fn q4_1_inputs<const T: usize>(row: &[BlockQ4_1], x: &[[f32; BLOCK]], sums: &[f32]) -> [f32; T] {
+unsafe fn inputs_product<B: Block, const T: usize>(row: &[B], x: &[[f32; BLOCK]], sums: &[f32]) -> [f32; T] {
     let n = row.len();
-    assert!(x.len() == T * n && sums.len() == T * n, "{T} inputs of {n} blocks and their sums");
+    assert!(x.len() == T * n && sums.len() == if B::OFFSET { T * n } else { 0 }, "{T} inputs of {n} blocks");
     let mut acc = [_mm512_setzero_ps(); T];
     let mut offset = [0.0f32; T];
     for (b, block) in row.iter().enumerate() {
-        let codes = codes_q4_1(block);
+        // SAFETY: AVX-512 F, as the caller guarantees.
+        let codes = unsafe { block.codes() };
         for t in 0..T {
-            acc[t] = accumulate(acc[t], block.d, codes, load_block(&x[t * n + b]));
-            offset[t] += block.m * sums[t * n + b];
+            acc[t] = accumulate(acc[t], block.scale(), codes, load_block(&x[t * n + b]));
+            if B::OFFSET {
+                offset[t] += block.offset() * sums[t * n + b];
+            }
         }
     }
-    let mut out = [0.0; T];
-    for t in 0..T {
-        out[t] = _mm512_reduce_add_ps(acc[t]) + offset[t];
-    }
-    out
+    reduce::<B, T>(acc, offset)
 }
 
-/// The products of one `Q8_0` row with `T` inputs (`x` input after input), each exactly as
-/// [`q8_0_rows`] computes it.
-///
-/// # Safety
-/// The CPU runs AVX-512 F.
+/// Each accumulator's lanes added up, plus its offset term for `Q4_1` blocks.
+#[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn q8_0_inputs<const T: usize>(row: &[BlockQ8_0], x: &[[f32; BLOCK]]) -> [f32; T] {
-    let n = row.len();
-    assert_eq!(x.len(), T * n, "{T} inputs of {n} blocks");
-    let mut acc = [_mm512_setzero_ps(); T];
-    for (b, block) in row.iter().enumerate() {
-        let codes = codes_q8_0(block);
-        for t in 0..T {
-            acc[t] = accumulate(acc[t], block.d, codes, load_block(&x[t * n + b]));
+fn reduce<B: Block, const N: usize>(acc: [__m512; N], offset: [f32; N]) -> [f32; N] {
+    let mut out = [0.0; N];
+    for i in 0..N {
+        out[i] = _mm512_reduce_add_ps(acc[i]);
+        if B::OFFSET {
+            out[i] += offset[i];
         }
     }
-    let mut out = [0.0; T];
-    for t in 0..T {
-        out[t] = _mm512_reduce_add_ps(acc[t]);
-    }
     out
-}
-
-/// A `Q4_1` block's codes as floats: lane `j` of the first vector is weight `j` (low nibbles),
-/// of the second weight `j + 16` (high nibbles).
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn codes_q4_1(block: &BlockQ4_1) -> (__m512, __m512) {
-    // SAFETY: `qs` is 16 bytes.
-    let codes = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(block.qs.as_ptr().cast()) });
-    let lo = _mm512_cvtepi32_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)));
-    (lo, _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(codes)))
-}
-
-/// A `Q8_0` block's codes as floats: weights `0..16` and `16..32`.
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn codes_q8_0(block: &BlockQ8_0) -> (__m512, __m512) {
-    let q = block.qs.as_ptr();
-    // SAFETY: `qs` is 32 bytes: two loads of 16.
-    let (lo, hi) = unsafe { (_mm_loadu_si128(q.cast()), _mm_loadu_si128(q.add(16).cast())) };
-    (_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)))
 }
 
 /// `acc + d · (codes · x)` lane by lane, the one arithmetic every product here repeats per block
@@ -343,8 +305,8 @@ mod tests {
                 .map(|_| BlockQ8_0 { d: s.unit() * 0.01, qs: std::array::from_fn(|_| s.next() as i8) })
                 .collect();
             let (mut got4, mut got8) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
-            avx.matvec_q4_1(&q4, &x, &sums, &mut got4);
-            avx.matvec_q8_0(&q8, &x, &mut got8);
+            avx.matvec(&q4, &x, &sums, &mut got4);
+            avx.matvec(&q8, &x, &[], &mut got8);
             for i in 0..rows {
                 let want4 = dot_q4_1(&q4[i * per_row..][..per_row], xb, &sums);
                 let want8 = dot_q8_0(&q8[i * per_row..][..per_row], xb);
@@ -384,12 +346,12 @@ mod tests {
                 .map(|_| BlockQ8_0 { d: s.unit() * 0.01, qs: std::array::from_fn(|_| s.next() as i8) })
                 .collect();
             let (mut got4, mut got8) = (vec![f32::NAN; inputs * rows], vec![f32::NAN; inputs * rows]);
-            avx.matmul_q4_1(&q4, cols, &xs, &sums, &mut got4);
-            avx.matmul_q8_0(&q8, cols, &xs, &mut got8);
+            avx.matmul(&q4, cols, &xs, &sums, &mut got4);
+            avx.matmul(&q8, cols, &xs, &[], &mut got8);
             for (t, x) in xs.chunks_exact(cols).enumerate() {
                 let (mut want4, mut want8) = (vec![0.0; rows], vec![0.0; rows]);
-                avx.matvec_q4_1(&q4, x, &block_sums(x), &mut want4);
-                avx.matvec_q8_0(&q8, x, &mut want8);
+                avx.matvec(&q4, x, &block_sums(x), &mut want4);
+                avx.matvec(&q8, x, &[], &mut want8);
                 let bits = |v: &[f32]| v.iter().map(|y| y.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
                     bits(&got4[t * rows..][..rows]),
@@ -412,6 +374,6 @@ mod tests {
             panic!("one row of blocks per output (skipped: this CPU has no AVX-512 F)");
         };
         let blocks = vec![BlockQ8_0 { d: 1.0, qs: [1; BLOCK] }; 3];
-        avx.matvec_q8_0(&blocks, &[1.0; 2 * BLOCK], &mut [0.0; 2]);
+        avx.matvec(&blocks, &[1.0; 2 * BLOCK], &[], &mut [0.0; 2]);
     }
 }
