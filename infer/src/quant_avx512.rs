@@ -279,6 +279,24 @@ mod tests {
         fn unit(&mut self) -> f32 {
             (self.next() % 2001) as f32 / 1000.0 - 1.0
         }
+
+        /// `n` `Q4_1` blocks with every code and scales of both signs.
+        fn q4_1_blocks(&mut self, n: usize) -> Vec<BlockQ4_1> {
+            (0..n)
+                .map(|_| BlockQ4_1 {
+                    d: self.unit() * 0.1,
+                    m: self.unit() * 0.2,
+                    qs: std::array::from_fn(|_| self.next() as u8),
+                })
+                .collect()
+        }
+
+        /// `n` `Q8_0` blocks with every code and scales of both signs.
+        fn q8_0_blocks(&mut self, n: usize) -> Vec<BlockQ8_0> {
+            (0..n)
+                .map(|_| BlockQ8_0 { d: self.unit() * 0.01, qs: std::array::from_fn(|_| self.next() as i8) })
+                .collect()
+        }
     }
 
     /// Rows that are not a multiple of the row group, so both the grouped and the single-row
@@ -294,16 +312,7 @@ mod tests {
             let x: Vec<f32> = (0..per_row * BLOCK).map(|_| s.unit()).collect();
             let xb = x.as_chunks::<BLOCK>().0;
             let sums = block_sums(&x);
-            let q4: Vec<BlockQ4_1> = (0..rows * per_row)
-                .map(|_| BlockQ4_1 {
-                    d: s.unit() * 0.1,
-                    m: s.unit() * 0.2,
-                    qs: std::array::from_fn(|_| s.next() as u8),
-                })
-                .collect();
-            let q8: Vec<BlockQ8_0> = (0..rows * per_row)
-                .map(|_| BlockQ8_0 { d: s.unit() * 0.01, qs: std::array::from_fn(|_| s.next() as i8) })
-                .collect();
+            let (q4, q8) = (s.q4_1_blocks(rows * per_row), s.q8_0_blocks(rows * per_row));
             let (mut got4, mut got8) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
             avx.matvec(&q4, &x, &sums, &mut got4);
             avx.matvec(&q8, &x, &[], &mut got8);
@@ -335,16 +344,7 @@ mod tests {
             let cols = per_row * BLOCK;
             let xs: Vec<f32> = (0..inputs * cols).map(|_| s.unit()).collect();
             let sums: Vec<f32> = xs.chunks_exact(cols).flat_map(block_sums).collect();
-            let q4: Vec<BlockQ4_1> = (0..rows * per_row)
-                .map(|_| BlockQ4_1 {
-                    d: s.unit() * 0.1,
-                    m: s.unit() * 0.2,
-                    qs: std::array::from_fn(|_| s.next() as u8),
-                })
-                .collect();
-            let q8: Vec<BlockQ8_0> = (0..rows * per_row)
-                .map(|_| BlockQ8_0 { d: s.unit() * 0.01, qs: std::array::from_fn(|_| s.next() as i8) })
-                .collect();
+            let (q4, q8) = (s.q4_1_blocks(rows * per_row), s.q8_0_blocks(rows * per_row));
             let (mut got4, mut got8) = (vec![f32::NAN; inputs * rows], vec![f32::NAN; inputs * rows]);
             avx.matmul(&q4, cols, &xs, &sums, &mut got4);
             avx.matmul(&q8, cols, &xs, &[], &mut got8);
