@@ -84,6 +84,7 @@ pub fn policy_status(p: &pb::PolicyStatus) -> Value {
         "pressure_watch": p.pressure_watch,
         "sensor_problems": p.sensor_problems,
         "adaptive_precision": p.adaptive_precision,
+        "adaptive_ranking": p.adaptive_ranking,
         "layer_floors": p.layer_floors,
     })
 }

@@ -191,7 +191,12 @@ pub fn policy_status(p: &pb::PolicyStatus) -> String {
         rate(p.background_limit_bytes_per_s)
     );
     let floors = if p.layer_floors.is_empty() { "none".to_owned() } else { p.layer_floors.join(", ") };
-    let _ = writeln!(out, "  adaptive precision: {}; layer floors: {floors}", yes_no(p.adaptive_precision));
+    let adaptive = match (p.adaptive_precision, p.adaptive_ranking.as_str()) {
+        (false, _) => "no".to_owned(),
+        (true, "") => "yes".to_owned(),
+        (true, ranking) => format!("yes, by {ranking}"),
+    };
+    let _ = writeln!(out, "  adaptive precision: {adaptive}; layer floors: {floors}");
     let battery = if p.battery.is_empty() { String::new() } else { format!(" ({})", p.battery) };
     let psi = if p.psi_known { format!("{:.2}%", p.psi_some_avg10) } else { "unknown".to_owned() };
     let available = if p.mem_available_bytes == 0 { "unknown".to_owned() } else { bytes(p.mem_available_bytes) };

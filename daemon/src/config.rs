@@ -13,7 +13,7 @@ use serde::Deserialize;
 
 use crate::error::{Error, Result};
 use crate::policy::mode::{Mode, ModePolicy};
-use crate::policy::precision::{Floors, LayerFloor, PrecisionPolicy};
+use crate::policy::precision::{Floors, LayerFloor, PrecisionPolicy, Ranking};
 
 /// Default share of `MemAvailable` given to the device tier when no budget is configured.
 pub const DEFAULT_DEVICE_BUDGET: &str = "25%";
@@ -70,10 +70,13 @@ pub struct PolicyConfig {
     pub pressure_enter: Option<u8>,
     /// ...until it falls below this one.
     pub pressure_leave: Option<u8>,
-    /// Per-page formats from the attention mass the client's kernels record when pages are
-    /// compressed on demotion (default true): the most attended pages keep more bits, the least
-    /// attended pay for them, at the mode's format's bytes.
+    /// Per-page formats when pages are compressed on demotion (default true), at the mode's
+    /// format's bytes, ranked as `adaptive_ranking` says.
     pub adaptive_precision: Option<bool>,
+    /// How adaptive precision ranks a layer's pages: `"age"` (default; a 32-token window kept
+    /// exact pays for the newest pages past it one step up) or `"mass"` (the most attended pages
+    /// up, the least attended down, from the attention mass the client's kernels record).
+    pub adaptive_ranking: Option<String>,
     /// Per-layer floors (`[[policy.floor]]`): pages of those layers are never demoted below the
     /// floor's format.
     pub floor: Option<Vec<FloorConfig>>,
@@ -334,6 +337,7 @@ impl Resolved {
             format!("policy.host_root = {}", p.host_root.display()),
             format!("policy.interval_ms = {}", p.interval.as_millis()),
             format!("policy.adaptive_precision = {}", p.precision.adaptive),
+            format!("policy.adaptive_ranking = {}", p.precision.ranking),
         ]);
         lines.iter().map(|l| format!("{l}\n")).collect()
     }
@@ -539,14 +543,15 @@ impl Resolved {
 pub fn policy_toml(modes: &ModePolicy, precision: &PrecisionPolicy) -> String {
     let mut out = format!(
         "mode = \"{}\"\npowersave_below = {}\nbattery_hysteresis = {}\nthermal_hysteresis_c = {}\n\
-         pressure_enter = {}\npressure_leave = {}\nadaptive_precision = {}\n",
+         pressure_enter = {}\npressure_leave = {}\nadaptive_precision = {}\nadaptive_ranking = \"{}\"\n",
         modes.pinned.map_or("auto", Mode::name),
         modes.powersave_below,
         modes.battery_hysteresis,
         modes.thermal_hysteresis_mc / 1000,
         modes.pressure_enter,
         modes.pressure_leave,
-        precision.adaptive
+        precision.adaptive,
+        precision.ranking
     );
     for floor in precision.floors.iter() {
         let text = floor.to_string();
@@ -603,8 +608,17 @@ fn resolve_policy(file: PolicyConfig, cli: &Overrides) -> Result<Policy> {
         .map(|f| LayerFloor::parse(&f.layers, &f.format))
         .collect::<std::result::Result<Vec<_>, String>>()
         .map_err(Error::InvalidArgument)?;
+    let ranking = match file.adaptive_ranking.as_deref() {
+        None => Ranking::default(),
+        Some(name) => Ranking::from_name(name).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "policy.adaptive_ranking \"{name}\" is not a ranking; use \"age\" (the default) or \"mass\""
+            ))
+        })?,
+    };
     let precision = PrecisionPolicy {
         adaptive: file.adaptive_precision.unwrap_or(PrecisionPolicy::default().adaptive),
+        ranking,
         floors: Floors::new(floors),
     };
     Ok(Policy {
@@ -820,7 +834,10 @@ mod tests {
     #[test]
     fn adaptive_precision_defaults_on_and_floors_parse_from_policy_tables() {
         let r = FileConfig::default().resolve(Overrides::default(), &env(0)).unwrap();
-        assert_eq!(r.policy.precision, PrecisionPolicy { adaptive: true, floors: Floors::default() });
+        let by_age = PrecisionPolicy { adaptive: true, ranking: Ranking::Age, floors: Floors::default() };
+        assert_eq!(r.policy.precision, by_age);
+        let file = FileConfig::parse("[policy]\nadaptive_ranking = \"mass\"\n").unwrap();
+        assert_eq!(file.resolve(Overrides::default(), &env(0)).unwrap().policy.precision.ranking, Ranking::Mass);
         let file = FileConfig::parse(
             "[policy]\nadaptive_precision = false\n\n[[policy.floor]]\nlayers = \"0-1\"\nformat = \"q8\"\n\n\
              [[policy.floor]]\nlayers = \"last\"\nformat = \"f16\"\n",
@@ -881,6 +898,10 @@ mod tests {
             ("[[policy.floor]]\nlayers = \"0\"\n", "missing field `format`"),
             ("[[policy.floor]]\nlayers = \"0\"\nformat = \"q8\"\nbits = 8\n", "bits"),
             ("[policy]\nadaptive_precision = \"yes\"\n", "adaptive_precision"),
+            (
+                "[policy]\nadaptive_ranking = \"heat\"\n",
+                "\"heat\" is not a ranking; use \"age\" (the default) or \"mass\"",
+            ),
         ] {
             // Shape errors (a missing or unknown key, a wrong type) come from the parser, values from
             // resolution.

@@ -128,7 +128,7 @@ fn policy_round_trip(resolved: &Resolved, policy: &kvmm_daemon::config::Policy) 
 }
 
 /// The keys of a `[policy]` body (a `SetPolicy` body is parsed as a `[policy]` table).
-const POLICY_KEYS: [&str; 9] = [
+const POLICY_KEYS: [&str; 10] = [
     "mode",
     "powersave_below",
     "battery_hysteresis",
@@ -136,12 +136,13 @@ const POLICY_KEYS: [&str; 9] = [
     "pressure_enter",
     "pressure_leave",
     "adaptive_precision",
+    "adaptive_ranking",
     "interval_ms",
     "host_root",
 ];
 
 /// A `[policy]` body built from the input's lines, so that most inputs get past the TOML syntax to
-/// the checks behind it: a line's first character picks a key (or, one time in ten, a floor), the
+/// the checks behind it: a line's first character picks a key (or, one time in eleven, a floor), the
 /// rest is the value as written (a floor's: `LAYERS:FORMAT`).
 fn policy_body(text: &str) -> String {
     let (mut keys, mut floors) = (String::new(), String::new());

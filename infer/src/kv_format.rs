@@ -4,8 +4,10 @@
 //! formats below it are the daemon's business. Two daemon mechanisms change them:
 //!
 //! - **demotion** (pages leaving the device for DRAM and flash), in the format of the daemon's policy
-//!   (`demote_format`, per mode; with `adaptive_precision`, per page by attention mass; raised to
-//!   `[[policy.floor]]`s). The sink page and the last 128 tokens keep their precision.
+//!   (`demote_format`, per mode; with `adaptive_precision`, per page by age or by attention mass;
+//!   raised to `[[policy.floor]]`s). The sink page and the last 128 tokens keep their precision
+//!   (the last 32 under adaptive precision by age, which keeps the newest pages past them one step
+//!   up and steps them down as they age).
 //! - **recompression in place** (admin `Compress(session, layers, blocks, format)`), one format for
 //!   all the pages named, for operators and tests. It does not spare the sink page or the recent
 //!   window by itself.

@@ -62,7 +62,11 @@ fn smollm2_meets_the_q8_and_q4_thresholds_over_the_first_256_tokens() {
 #[test]
 #[ignore = "the whole text takes about 25 minutes in release on 2 cores; see the doc comment for the command"]
 fn smollm2_quality_table_over_the_whole_shipped_text() {
-    let Some(report) = evaluate("q8,k8v4,q4,auto,auto-down,q2", None) else { return };
+    let Some(report) = evaluate("q8,k8v4,q4,auto,mass,q2", None) else { return };
     assert_eq!(report.tokens, report.text_tokens, "the whole text fits SmolLM2's context");
     assert_acceptance(&report);
+    // The daemon's adaptive precision (by age) at q4's bytes: lower mean KL than q4.
+    let (auto, q4) = (report.pass(Storage::AUTO).unwrap(), report.pass(Storage::Uniform(Format::Q4)).unwrap());
+    assert!(auto.bits_per_element <= q4.bits_per_element, "auto bytes: {auto:?}");
+    assert!(auto.mean_kl < q4.mean_kl, "auto KL: {auto:?} against q4's {}", q4.mean_kl);
 }

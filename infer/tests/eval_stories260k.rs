@@ -40,7 +40,7 @@ fn pass(report: &EvalReport, name: &str) -> PassReport {
 
 #[test]
 fn stories260k_quality_table_over_the_shipped_text() {
-    let report = run("f16,q8,k8v4,q4,auto,auto-down,q2", 0);
+    let report = run("f16,q8,k8v4,q4,auto,mass,mass-down,q2", 0);
     println!("{report}");
     print!("{}", report.json_lines());
     assert_eq!((report.tokens, report.steps(), report.page_head_dim), (TOKENS, TOKENS - 1, 16));
@@ -65,21 +65,24 @@ fn stories260k_quality_table_over_the_shipped_text() {
     assert!(kl("q8") < kl("k8v4") && kl("k8v4") < kl("q4") && kl("q4") < kl("q2"), "{report}");
     assert!(kl("q2") > 10.0 * kl("q4"), "{report}");
 
-    // Bytes: the formats' own costs on the pages that left the window; adaptive precision as
-    // the daemon does it spends at least q4's, the step-down variant at most q4's.
+    // Bytes: the formats' own costs on the pages that left the window; adaptive precision by mass
+    // as the daemon does it spends at least q4's there, the step-down variant at most q4's; by age
+    // (a shorter window, so compare every page) at most q4's.
     let old_bits = |name| pass(&report, name).old_bits_per_element.unwrap();
     let shape = kvmm_kernels::PageShape { kv_heads: 4, head_dim: 16, block_tokens: 32 };
     for name in ["f16", "q8", "k8v4", "q4", "q2"] {
         let format = Format::from_name(name).unwrap();
         assert_eq!(old_bits(name), format.bits_per_element(shape), "{name}");
     }
-    assert!(old_bits("auto") >= old_bits("q4"), "{report}");
-    assert!(old_bits("auto-down") <= old_bits("q4"), "{report}");
+    assert!(old_bits("mass") >= old_bits("q4"), "{report}");
+    assert!(old_bits("mass-down") <= old_bits("q4"), "{report}");
+    let bits = |name| pass(&report, name).bits_per_element;
+    assert!(bits("auto") <= bits("q4"), "{report}");
 }
 
 #[test]
 fn stories260k_pages_outside_the_sink_page_and_window_take_the_format() {
-    let report = run("q4,auto,auto-down", 0);
+    let report = run("q4,mass,mass-down", 0);
     // 511 tokens fed: 16 pages per layer; page b left the window once (b + 1) × 32 + 128 ≤ 511,
     // so pages 1..=10 are compressed, the sink page 0 and pages 11..=15 (the last 128 tokens and
     // the partial page) are f16.
@@ -103,7 +106,24 @@ fn stories260k_pages_outside_the_sink_page_and_window_take_the_format() {
     assert_eq!(census("q4"), [(Format::F16, 30), (Format::Q4, 50)]);
     // 10 candidates per layer: 5% is one page up in every layer.
     let q8 = |name| census(name).iter().find(|(f, _)| *f == Format::Q8).map_or(0, |&(_, n)| n);
-    assert!(q8("auto") >= 5 && q8("auto-down") >= 1, "{report}");
+    assert!(q8("mass") >= 5 && q8("mass-down") >= 1, "{report}");
+}
+
+#[test]
+fn stories260k_by_age_the_newest_pages_past_a_32_token_window_are_k8v4_and_older_ones_q4() {
+    let report = run("auto", 0);
+    let auto = pass(&report, "auto");
+    // 511 tokens: page b left the 32-token window once (b + 1) × 32 + 32 ≤ 511, so pages 1..=13
+    // are compressed; the sink page 0, page 14 and the partial page 15 are f16.
+    for (layer, formats) in auto.page_formats.iter().enumerate() {
+        let names: Vec<&str> = formats.iter().map(|f| f.name()).collect();
+        assert_eq!(formats.len(), 16);
+        assert_eq!([formats[0], formats[14], formats[15]], [Format::F16; 3], "layer {layer}: {names:?}");
+        let k8v4 = formats[1..=13].iter().filter(|&&f| f == Format::K8V4).count();
+        assert!(k8v4 >= 1, "layer {layer}: {names:?}");
+        let (q4, newest) = formats[1..=13].split_at(13 - k8v4);
+        assert!(q4.iter().all(|&f| f == Format::Q4) && newest.iter().all(|&f| f == Format::K8V4), "{names:?}");
+    }
 }
 
 #[test]

@@ -21,9 +21,10 @@
 //!
 //! **Age-graded precision** ([`graded_hi_pages`], [`allocate_by_age`]) ranks by age instead: a
 //! shorter recent window stays exact and the bytes it saves put the newest pages past it one step
-//! up. The evaluation's `graded-W` storage uses it (`infer/src/eval/paged.rs`); on SmolLM2's whole
-//! shipped text it lowers uniform q4's mean KL by 32% at the same bytes (README), where the mass
-//! ladder above does not. The daemon does not run it yet.
+//! up ([`age_step_up`], [`allocate_graded`]). It is the daemon's default adaptive precision
+//! (`[policy] adaptive_ranking = "age"`) and the evaluation's `auto`; on SmolLM2's whole shipped
+//! text it lowers uniform q4's mean KL by 32% at the same bytes (README), where the mass
+//! ladder above does not.
 //!
 //! Pure: no I/O, no clocks; the daemon collects masses and applies the result.
 
@@ -119,6 +120,34 @@ pub fn graded_hi_pages(shape: PageShape, element: Format, hi: Format, mid: Forma
 pub fn allocate_by_age(pages: usize, hi_pages: usize, hi: Format, mid: Format) -> Vec<Format> {
     let first_hi = pages.saturating_sub(hi_pages);
     (0..pages).map(|p| if p >= first_hi { hi } else { mid }).collect()
+}
+
+/// The step up of age-graded precision from the compressed format `mode`, for pages written as the
+/// 16-bit `element`: q8 steps up to `element` (the page stays as written), k8v4 to q8, q4 to k8v4
+/// (keys take the extra bits first: K8/V4 costs far less than K4/V8, and k8v4 is the cheapest
+/// step above q4), q2 to q4. `None` when `mode` is 16-bit (a lossless demotion has no steps).
+pub fn age_step_up(mode: Format, element: Format) -> Option<Format> {
+    debug_assert!(!element.is_quantized(), "a page's own format is 16-bit, not {element}");
+    match mode {
+        Format::F16 | Format::Bf16 => None,
+        Format::Q8 => Some(element),
+        Format::K8V4 => Some(Format::Q8),
+        Format::Q4 => Some(Format::K8V4),
+        Format::Q2 => Some(Format::Q4),
+    }
+}
+
+/// Formats for `pages` candidate pages in age order (oldest first) under age-graded precision
+/// around the compressed `mode`, for pages written as `element`, when `saved` pages are kept at
+/// `element` instead of `mode` (a shorter recent window): the newest [`graded_hi_pages`] at
+/// [`age_step_up`], the others at `mode`. Never more bytes than `pages` at `mode` plus what the
+/// `saved` pages would have cost at `element` beyond `mode`. Every page is `mode` when `mode` is
+/// 16-bit. Pure.
+pub fn allocate_graded(shape: PageShape, element: Format, mode: Format, pages: usize, saved: usize) -> Vec<Format> {
+    match age_step_up(mode, element) {
+        Some(hi) => allocate_by_age(pages, graded_hi_pages(shape, element, hi, mode, saved), hi, mode),
+        None => vec![mode; pages],
+    }
 }
 
 /// Uniform `format`'s bytes for `pages` pages: the budget [`allocate_by_mass`] spends around it.
@@ -221,6 +250,31 @@ mod tests {
             let spent: usize = got.iter().map(|&f| SHAPE.page_bytes(f)).sum();
             let budget = n * SHAPE.page_bytes(Q4) + saved * (SHAPE.page_bytes(F16) - SHAPE.page_bytes(Q4));
             assert!(spent <= budget, "{saved} saved: {spent} > {budget}");
+        }
+    }
+
+    #[test]
+    fn graded_allocations_step_up_once_from_the_mode_and_stay_within_the_savings() {
+        use Format::*;
+        let up = |mode, element| age_step_up(mode, element);
+        assert_eq!(
+            [up(Q8, F16), up(Q8, Bf16), up(K8V4, F16), up(Q4, F16), up(Q2, Bf16), up(F16, F16)],
+            [Some(F16), Some(Bf16), Some(Q8), Some(K8V4), Some(Q4), None]
+        );
+        // SmolLM2, three pages saved: 17 k8v4 pages around q4, 3 f16 pages around q8.
+        let graded = |mode, pages| names(&allocate_graded(SHAPE, F16, mode, pages, 3));
+        assert_eq!(graded(Q4, 19), format!("q4 q4{}", " k8v4".repeat(17)));
+        assert_eq!(graded(Q8, 5), "q8 q8 f16 f16 f16");
+        assert_eq!(graded(F16, 2), "f16 f16", "a lossless mode has no steps");
+        for mode in [Q8, K8V4, Q4, Q2] {
+            for (pages, saved) in [(0, 3), (1, 0), (7, 1), (40, 3), (200, 6)] {
+                let got = allocate_graded(SHAPE, F16, mode, pages, saved);
+                assert_eq!(got.len(), pages);
+                let spent: usize = got.iter().map(|&f| SHAPE.page_bytes(f)).sum();
+                let budget = pages * SHAPE.page_bytes(mode) + saved * (SHAPE.page_bytes(F16) - SHAPE.page_bytes(mode));
+                assert!(spent <= budget, "{mode} {pages} pages, {saved} saved: {spent} > {budget}");
+                assert!(got.iter().all(|&f| f == mode || Some(f) == age_step_up(mode, F16)));
+            }
         }
     }
 

@@ -55,14 +55,15 @@ pub const TIERS: [&str; 3] = ["device", "dram", "flash"];
 
 /// `[policy]` bodies the chaos loop switches between (admin `SetPolicy`). Each changes what a
 /// demotion does: the mode's format (q8; powersave q4), watermarks and rates (balanced and thermal
-/// limit flash writes, thermal background moves), adaptive precision, a floor. Pages are only ever
-/// quantized from 16 bits by these (a page already quantized keeps its format), which is what the
-/// checking clients expect.
+/// limit flash writes, thermal background moves), adaptive precision by age and by mass, a floor.
+/// Pages are only ever quantized from 16 bits by these (adaptive precision by age steps pages down,
+/// but in q8 mode only from the 16-bit pages it kept up; a page already quantized keeps its
+/// format), which is what the checking clients expect.
 pub const POLICIES: [&str; 5] = [
     "mode = \"performance\"\nadaptive_precision = true\n",
     "mode = \"powersave\"\nadaptive_precision = false\n",
     "mode = \"balanced\"\nadaptive_precision = true\n\n[[floor]]\nlayers = \"0\"\nformat = \"q8\"\n",
-    "mode = \"thermal\"\nadaptive_precision = true\n",
+    "mode = \"thermal\"\nadaptive_precision = true\nadaptive_ranking = \"mass\"\n",
     "mode = \"auto\"\nadaptive_precision = false\n\n[[floor]]\nlayers = \"last\"\nformat = \"f16\"\n",
 ];
 

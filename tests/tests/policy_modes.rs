@@ -67,12 +67,12 @@ fn wait_mode(daemon: &Daemon, want: &str) -> (StatusResponse, Duration) {
     (s, took)
 }
 
-/// A client of 2 layers × 300 tokens whose 18 full pages the admin `Demote` sends to DRAM, then
+/// A client of 2 layers × 1,000 tokens whose 62 full pages the admin `Demote` sends to DRAM, then
 /// one checked round of attention over them; returns the client and the formats it read.
 fn demoted_client(daemon: &Daemon, seed: &str) -> (kvmm_tests::Worker, String) {
-    let mut c = spawn_client("run", daemon, &["--layers", "2", "--tokens", "300", "--seed", seed]);
+    let mut c = spawn_client("run", daemon, &["--layers", "2", "--tokens", "1000", "--seed", seed]);
     let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
-    assert_eq!(daemon.demote(session, Tier::Dram).demoted, 18);
+    assert_eq!(daemon.demote(session, Tier::Dram).demoted, 62);
     c.send("check 1");
     let seen = fields(&c.expect_line("checked"))["formats_seen"].clone();
     (c, seen)
@@ -116,10 +116,11 @@ fn a_battery_discharging_at_15_percent_enters_powersave_within_2_s_and_demotes_a
     assert_eq!((p.demote_format.as_str(), p.prefetch_depth, p.power.as_str()), ("q4", 2, "battery"), "{p:?}");
     assert!(daemon.log().contains("powersave"), "the change is logged with its cause");
 
-    // The next demotion uses the powersave ladder: q4, and the client's checks (against its own
-    // K/V through the same quantizer) still hold.
+    // The next demotion uses the powersave ladder: q4, and under adaptive precision by age the
+    // newest 17 pages past the 32-token window k8v4 (29 candidates per layer: 12 q4, 17 k8v4);
+    // the client's checks (against its own K/V through the same quantizer) still hold.
     let (after, seen) = demoted_client(&daemon, "4");
-    assert!(seen.contains("q4:") && !seen.contains("q8:"), "{seen}");
+    assert!(seen.contains("q4:24,") && seen.contains("k8v4:34") && !seen.contains("q8:"), "{seen}");
 
     // Plugged in again: back to performance.
     host.write("sys/class/power_supply/AC/online", "1");

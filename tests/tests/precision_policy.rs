@@ -1,21 +1,27 @@
 //! Per-layer floors and adaptive precision in a real kvmmd: pages forced down by the admin
-//! `Demote` take per-page formats from the attention mass the client's kernels recorded (the most
-//! attended pages keep more bits, the least attended pay for them), never below their layer's
-//! floor, while the sink page and the last 128 tokens keep the client's precision. Every attention
-//! output is checked by the client against its f64 reference over its own K/V passed through the
-//! same quantizer as each page it read.
+//! `Demote` take per-page formats, never below their layer's floor, while the sink page and the
+//! recent window keep the client's precision. Every attention output is checked by the client
+//! against its f64 reference over its own K/V passed through the same quantizer as each page it
+//! read (through the format it last read a page in, when the page stepped down since).
 //!
-//! The client: 2 layers × 1,440 tokens in 32-token pages = 45 full pages per layer; block 0 is the
-//! sink and blocks 41..=44 hold the last 128 tokens, so blocks 1..=40 are the 40 candidates. The
-//! keys of blocks 9 and 30 are scaled 8× so random queries give them most of the attention mass.
-//! Adaptive precision moves 5% of 40 = 2 pages a step up and pays with the fewest lowest-mass pages
-//! a step down: 4 at q4 (q8 + 38 × q2 ≤ 40 × q4 needs 4 q2 pages for 2 q8 ones, SmolLM2's page),
-//! and likewise 4 in q8 mode (f16 pages paid for by q4 ones).
+//! The client: 2 layers × 1,440 tokens in 32-token pages = 45 full pages per layer.
+//!
+//! - **By age** (the default): block 0 is the sink and block 44 holds the last 32 tokens, so blocks
+//!   1..=43 are the candidates. The three pages between the last 32 and the last 128 tokens that
+//!   the shorter window spares pay for 17 pages at k8v4 instead of q4 (SmolLM2's page: 3 × (25,408
+//!   − 7,744) ≥ 17 × 3,104), the newest: blocks 27..=43.
+//! - **By mass** (`adaptive_ranking = "mass"`): blocks 41..=44 hold the last 128 tokens, so blocks
+//!   1..=40 are the 40 candidates. The keys of blocks 9 and 30 are scaled 8× so random queries give
+//!   them most of the attention mass. Adaptive precision moves 5% of 40 = 2 pages a step up and pays
+//!   with the fewest lowest-mass pages a step down: 4 at q4 (q8 + 38 × q2 ≤ 40 × q4 needs 4 q2 pages
+//!   for 2 q8 ones), and likewise 4 in q8 mode (f16 pages paid for by q4 ones).
 
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
 
+use kvmm_kernels::{Format, PageShape};
+use kvmm_proto::v1 as pb;
 use kvmm_proto::v1::Tier;
 use kvmm_tests::{Daemon, Worker, fields, spawn_client};
 
@@ -36,15 +42,35 @@ fn demoted_formats(daemon: &Daemon, seed: &str) -> (Worker, Vec<Vec<String>>) {
     c.send("check 4");
     c.expect_line("checked");
     assert_eq!(daemon.demote(session, Tier::Dram).demoted, 90, "every full page of both layers goes down");
+    let layers = read_formats(&mut c, 2);
+    (c, layers)
+}
+
+/// Has the client read every layer (checked attention, faulting demoted pages back in their
+/// formats) and returns each layer's page formats.
+fn read_formats(c: &mut Worker, layers: u32) -> Vec<Vec<String>> {
     c.send("formats");
-    let layers = (0..2)
+    (0..layers)
         .map(|layer| {
             let f = fields(&c.expect_line("formats"));
             assert_eq!(f["layer"], layer.to_string());
             f["pages"].split(',').map(str::to_owned).collect::<Vec<_>>()
         })
-        .collect();
-    (c, layers)
+        .collect()
+}
+
+/// The session's pages in DRAM by format, from admin `ListSessions`.
+fn dram_census(daemon: &Daemon, session: u64) -> BTreeMap<String, u64> {
+    let list = daemon.admin(async |mut a| a.list_sessions(pb::ListSessionsRequest {}).await.unwrap().into_inner());
+    let s = list.sessions.iter().find(|s| s.session_id == session).unwrap();
+    let dram = s.tiers.iter().find(|t| t.tier == "dram").unwrap();
+    dram.by_format.iter().map(|f| (f.format.clone(), f.pages)).collect()
+}
+
+/// Bytes of pages counted by format name, at SmolLM2's page shape.
+fn page_bytes(census: &BTreeMap<String, u64>) -> u64 {
+    let shape = PageShape { kv_heads: 3, head_dim: 64, block_tokens: 32 };
+    census.iter().map(|(f, &n)| n * shape.page_bytes(Format::from_name(f).unwrap()) as u64).sum()
 }
 
 /// How many pages of each format `pages` (a layer's formats) has among `blocks`.
@@ -71,6 +97,16 @@ fn bits(format: &str) -> u32 {
     }
 }
 
+/// A kvmmd with a 64 MiB device and 32 MiB of DRAM whose configuration file (returned, so a test
+/// can rewrite it and reload) holds `policy`.
+fn daemon_with_policy(policy: &str) -> (tempfile::NamedTempFile, Daemon) {
+    let config = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(config.path(), policy).unwrap();
+    let path = config.path().to_str().unwrap();
+    let daemon = Daemon::start(&["--config", path, "--device-budget", "64MiB", "--dram-budget", "32MiB"]);
+    (config, daemon)
+}
+
 fn finish(mut c: Worker) {
     c.send("exit");
     c.expect_line("detached");
@@ -78,24 +114,14 @@ fn finish(mut c: Worker) {
 
 #[test]
 fn a_q8_floor_on_layer_0_holds_under_powersave_q4_while_layer_1_gets_bits_by_attention() {
-    let config = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(
-        config.path(),
-        "[policy]\nmode = \"powersave\"\n\n[[policy.floor]]\nlayers = \"0\"\nformat = \"q8\"\n",
-    )
-    .unwrap();
-    let daemon = Daemon::start(&[
-        "--config",
-        config.path().to_str().unwrap(),
-        "--device-budget",
-        "64MiB",
-        "--dram-budget",
-        "32MiB",
-    ]);
+    let (_config, daemon) = daemon_with_policy(
+        "[policy]\nmode = \"powersave\"\nadaptive_ranking = \"mass\"\n\n[[policy.floor]]\nlayers = \"0\"\n\
+         format = \"q8\"\n",
+    );
     let p = daemon.status().policy.unwrap();
     assert_eq!((p.mode.as_str(), p.demote_format.as_str()), ("powersave", "q4"), "{p:?}");
     assert!(p.adaptive_precision, "adaptive precision is on by default: {p:?}");
-    assert_eq!(p.layer_floors, ["0:q8"]);
+    assert_eq!((p.adaptive_ranking.as_str(), p.layer_floors.as_slice()), ("mass", ["0:q8".to_owned()].as_slice()));
 
     let (c, layers) = demoted_formats(&daemon, "11");
     let (l0, l1) = (&layers[0], &layers[1]);
@@ -118,16 +144,7 @@ fn a_q8_floor_on_layer_0_holds_under_powersave_q4_while_layer_1_gets_bits_by_att
 
 #[test]
 fn q8_mode_keeps_the_most_attended_pages_exact_and_a_reload_turns_adaptive_off_and_floors_the_last_layer() {
-    let config = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(config.path(), "[policy]\nmode = \"performance\"\n").unwrap();
-    let daemon = Daemon::start(&[
-        "--config",
-        config.path().to_str().unwrap(),
-        "--device-budget",
-        "64MiB",
-        "--dram-budget",
-        "32MiB",
-    ]);
+    let (config, daemon) = daemon_with_policy("[policy]\nmode = \"performance\"\nadaptive_ranking = \"mass\"\n");
 
     // q8 mode, adaptive: the hot pages stay f16, four least attended q4, the rest q8.
     let (first, layers) = demoted_formats(&daemon, "12");
@@ -165,6 +182,58 @@ fn q8_mode_keeps_the_most_attended_pages_exact_and_a_reload_turns_adaptive_off_a
     assert_eq!((p.adaptive_precision, p.layer_floors.as_slice()), (false, ["last:f16".to_owned()].as_slice()));
     finish(first);
     finish(second);
+    assert!(daemon.stop().success());
+}
+
+/// Adaptive precision by age under powersave's q4: the newest 17 candidates past a 32-token window
+/// at k8v4, older ones at q4, within uniform q4's bytes (with the usual 128-token window). After
+/// 320 more tokens the pages that aged past the newest 17 step down to q4 where they lie, in
+/// DRAM, and the page that left the window is quantized there; the client's checks hold over every
+/// page, including the ones re-encoded twice (f16 → k8v4 → q4).
+#[test]
+fn by_age_the_newest_pages_take_k8v4_and_step_down_to_q4_in_dram_as_they_age() {
+    let (_config, daemon) = daemon_with_policy("[policy]\nmode = \"powersave\"\n");
+    let p = daemon.status().policy.unwrap();
+    assert_eq!((p.demote_format.as_str(), p.adaptive_precision), ("q4", true), "{p:?}");
+    assert_eq!(p.adaptive_ranking, "age", "ranking by age is the default: {p:?}");
+
+    let mut c = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "1440", "--no-attend", "--seed", "14"]);
+    let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
+    assert_eq!(daemon.demote(session, Tier::Dram).demoted, 90);
+    // In DRAM, per layer: 26 q4, 17 k8v4, the sink and the last page f16; uniform q4 would hold
+    // 40 q4 and 5 f16 (the 128-token window).
+    let census = dram_census(&daemon, session);
+    let want = |list: &[(&str, u64)]| list.iter().map(|&(f, n)| (f.to_owned(), n)).collect::<BTreeMap<_, _>>();
+    assert_eq!(census, want(&[("f16", 4), ("k8v4", 34), ("q4", 52)]));
+    let uniform = want(&[("f16", 10), ("q4", 80)]);
+    println!("by age: {} bytes in DRAM, uniform q4 {}", page_bytes(&census), page_bytes(&uniform));
+    assert!(page_bytes(&census) <= page_bytes(&uniform));
+    for pages in read_formats(&mut c, 2) {
+        assert_eq!(count(&pages, [0, 44]), counts(&[("f16", 2)]), "{pages:?}");
+        assert_eq!(count(&pages, 1..=26), counts(&[("q4", 26)]), "{pages:?}");
+        assert_eq!(count(&pages, 27..=43), counts(&[("k8v4", 17)]), "{pages:?}");
+    }
+
+    // Down again (the read faulted every page back), then 10 more pages each on the device.
+    assert_eq!(daemon.demote(session, Tier::Dram).demoted, 90);
+    c.send("append-only 320");
+    assert_eq!(fields(&c.expect_line("appended"))["tokens"], "1760");
+    // Demoting the new pages plans each layer again: blocks 1..=53 are candidates, 37..=53 the
+    // newest 17. Blocks 27..=36 step down from k8v4 to q4 and block 44 from f16 to k8v4 in DRAM.
+    assert_eq!(daemon.demote(session, Tier::Dram).demoted, 110, "every full page is in DRAM");
+    let census = dram_census(&daemon, session);
+    assert_eq!(census, want(&[("f16", 4), ("k8v4", 34), ("q4", 72)]));
+    let uniform = want(&[("f16", 10), ("q4", 100)]);
+    assert!(page_bytes(&census) <= page_bytes(&uniform));
+    for pages in read_formats(&mut c, 2) {
+        assert_eq!(count(&pages, [0, 54]), counts(&[("f16", 2)]), "{pages:?}");
+        assert_eq!(count(&pages, 1..=36), counts(&[("q4", 36)]), "{pages:?}");
+        assert_eq!(count(&pages, 37..=53), counts(&[("k8v4", 17)]), "{pages:?}");
+    }
+    c.send("check 2");
+    let checked = fields(&c.expect_line("checked"));
+    assert!(checked["worst_rel_err"].parse::<f64>().unwrap() <= 1e-3, "{checked:?}");
+    finish(c);
     assert!(daemon.stop().success());
 }
 

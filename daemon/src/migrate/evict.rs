@@ -41,7 +41,9 @@ pub struct Candidate {
 pub fn drop_order(candidates: &[Candidate], block_tokens: u32, layer_tokens: u64) -> Vec<u32> {
     let mut eligible: Vec<&Candidate> = candidates
         .iter()
-        .filter(|c| c.tokens == block_tokens && !keeps_precision(c.block, block_tokens, layer_tokens))
+        .filter(|c| {
+            c.tokens == block_tokens && !keeps_precision(c.block, block_tokens, layer_tokens, RECENT_WINDOW_TOKENS)
+        })
         .collect();
     eligible.sort_by(|a, b| a.mass.total_cmp(&b.mass).then(a.block.cmp(&b.block)));
     eligible.into_iter().map(|c| c.block).collect()

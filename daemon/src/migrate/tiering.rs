@@ -3,10 +3,11 @@
 //!
 //! - **Device → DRAM** ([`demote_to_dram`]): claim the page (a pinned page is skipped), read its
 //!   frame, encode a full 16-bit page in the format the [`Demotion`] gives it (the mode's format,
-//!   q8 by default, per page by attention mass with adaptive precision, never below its layer's
-//!   floor; `None` keeps it bit-exact; see [`crate::policy::precision`]), store it in the pool
-//!   (sealed when configured), publish it evicted (`ALLOCATED` without `RESIDENT`, so clients
-//!   fault it back), free the frame.
+//!   q8 by default, per page by age or attention mass with adaptive precision, never below its
+//!   layer's floor; `None` keeps it bit-exact; see [`crate::policy::precision`]), store it in the
+//!   pool (sealed when configured), publish it evicted (`ALLOCATED` without `RESIDENT`, so clients
+//!   fault it back), free the frame. Under adaptive precision by age, planning a layer also steps
+//!   its DRAM pages down to their allocation ([`step_down_in_dram`]).
 //! - **DRAM → flash**, in three phases so flash I/O never runs under the core lock:
 //!   [`take_from_dram`] copies the pages out of the pool (core lock), [`write_to_flash`] seals and
 //!   writes them (flash lock only), [`commit_to_flash`] switches every page that is still where it
@@ -31,13 +32,15 @@
 //! can go; within each of those, batch sessions first, then background, then foreground, and within
 //! a class by the attention mass the client's kernels record (least first), older blocks first.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvmm_kernels::Format;
+use kvmm_kernels::precision::allocate_graded;
 use kvmm_shm::PageLocation;
-use kvmm_store::dram::DramSlot;
+use kvmm_store::dram::{DramPool, DramSlot};
 use kvmm_store::extent::ExtentAllocator;
 use kvmm_store::flash::{FlashFile, FlashSlot};
 use kvmm_store::seal::SessionKey;
@@ -48,7 +51,7 @@ use zeroize::{Zeroize, Zeroizing};
 use crate::daemon::Core;
 use crate::error::{Error, Result};
 use crate::metrics::{FlashOp, Metrics};
-use crate::policy::precision::{self, Demotion};
+use crate::policy::precision::{self, Demotion, Ranking};
 use crate::pool::Frame;
 use crate::session::page_table::Place;
 use crate::session::{Priority, Session};
@@ -231,11 +234,23 @@ fn pick(
 /// window the next queries attend to most).
 pub const RECENT_WINDOW_TOKENS: u64 = 128;
 
+/// The recent window of adaptive precision ranked by age: shorter, and the bytes its pages below
+/// [`RECENT_WINDOW_TOKENS`] save pay for the newest pages past it one step up (measured in the
+/// evaluation: a 32-token window beat 64 and 96 on SmolLM2; 0 was worse, the newest page needs
+/// its full precision).
+pub const AGE_WINDOW_TOKENS: u64 = 32;
+
 /// Whether block `block` of a layer holding `tokens` tokens keeps its precision when demoted: the
 /// sink page (block 0, which draws attention from every query) and every page with a token in the
-/// last [`RECENT_WINDOW_TOKENS`].
-pub fn keeps_precision(block: u32, block_tokens: u32, tokens: u64) -> bool {
-    block == 0 || (u64::from(block) + 1) * u64::from(block_tokens) + RECENT_WINDOW_TOKENS > tokens
+/// last `window` tokens ([`RECENT_WINDOW_TOKENS`], or [`AGE_WINDOW_TOKENS`] under adaptive
+/// precision by age).
+pub fn keeps_precision(block: u32, block_tokens: u32, tokens: u64, window: u64) -> bool {
+    block == 0 || (u64::from(block) + 1) * u64::from(block_tokens) + window > tokens
+}
+
+/// The recent window a demotion keeps at the client's precision.
+fn window_of(demotion: &Demotion) -> u64 {
+    if demotion.by_age() { AGE_WINDOW_TOKENS } else { RECENT_WINDOW_TOKENS }
 }
 
 /// What one demotion decided for one layer of one session, once per [`demote_to_dram`] call.
@@ -243,6 +258,8 @@ pub fn keeps_precision(block: u32, block_tokens: u32, tokens: u64) -> bool {
 struct LayerPlan {
     /// Tokens the client has published in the layer (where the recent window ends).
     written: u64,
+    /// The recent window: pages with a token in the layer's last `window` tokens keep their format.
+    window: u64,
     /// The format adaptive precision gives each candidate page (full, neither the sink page nor
     /// in the recent window), by block; empty when the demotion does not rank pages.
     allocated: HashMap<u32, Format>,
@@ -251,47 +268,135 @@ struct LayerPlan {
 }
 
 impl LayerPlan {
-    /// Ranks the layer's candidate pages, wherever they live and in whatever format, by the
-    /// attention mass the client recorded (clamped: a client can only misplace its own pages).
+    /// Allocates the layer's candidate pages, wherever they live and in whatever format: by age
+    /// (oldest first, the bytes of the full pages the shorter window spares paying for the step
+    /// up), or by the attention mass the client recorded (clamped: a client can only misplace its
+    /// own pages).
     fn of(s: &Session, layer: u32, demotion: &Demotion) -> LayerPlan {
         let g = s.geometry;
         let bt = g.block_tokens;
         let written = s.layer_tokens(layer);
+        let window = window_of(demotion);
         let mut allocated = HashMap::new();
         if let (true, Some(mode)) = (demotion.ranks_pages(), demotion.format) {
-            let candidates: Vec<(u32, f64)> = (0..s.pages.allocated_blocks())
-                .filter(|&b| s.pages.page(layer, b).is_some() && !keeps_precision(b, bt, written))
+            let full: Vec<(u32, f64)> = (0..s.pages.allocated_blocks())
+                .filter(|&b| s.pages.page(layer, b).is_some())
                 .filter_map(|b| {
                     let client = s.region.entry(layer, b).ok()?;
                     (client.tokens_clamped(bt) == bt).then(|| (b, f64::from(client.importance_clamped())))
                 })
                 .collect();
-            let mass: Vec<f64> = candidates.iter().map(|&(_, m)| m).collect();
-            let formats = precision::layer_formats(g.page_shape(), g.format(), mode, &mass);
+            let outside = |w: u64| full.iter().filter(move |&&(b, _)| !keeps_precision(b, bt, written, w));
+            let candidates: Vec<(u32, f64)> = outside(window).copied().collect();
+            let formats = match demotion.ranking {
+                Ranking::Age => {
+                    let saved = candidates.len().saturating_sub(outside(RECENT_WINDOW_TOKENS).count());
+                    allocate_graded(g.page_shape(), g.format(), mode, candidates.len(), saved)
+                }
+                Ranking::Mass => {
+                    let mass: Vec<f64> = candidates.iter().map(|&(_, m)| m).collect();
+                    precision::layer_formats(g.page_shape(), g.format(), mode, &mass)
+                }
+            };
             allocated = candidates.iter().map(|&(b, _)| b).zip(formats).collect();
         }
-        LayerPlan { written, allocated, floor: demotion.floors.of(layer, g.layers) }
+        LayerPlan { written, window, allocated, floor: demotion.floors.of(layer, g.layers) }
     }
+
+    /// Whether block `block`, holding `tokens` tokens, is a candidate: full, neither the sink page
+    /// nor in the recent window.
+    fn candidate(&self, block: u32, tokens: u32, block_tokens: u32) -> bool {
+        tokens == block_tokens && !keeps_precision(block, block_tokens, self.written, self.window)
+    }
+}
+
+/// Adaptive precision by age: re-encodes the layer's pages in DRAM whose allocation in `plan` now
+/// has fewer bits than their format (a page that aged past the step-up pages), so the layer stays
+/// within the mode's bytes. Pages on their way to flash, pages the quantizer refuses and pages
+/// the pool has no room for (the new encoding is stored before the old one is freed) stay as they
+/// are; so do pages in flash (they step down if they come back and are demoted again). Returns
+/// pages re-encoded.
+#[allow(clippy::too_many_arguments)]
+fn step_down_in_dram(
+    s: &mut Session,
+    session: u64,
+    layer: u32,
+    plan: &LayerPlan,
+    demotion: &Demotion,
+    dram: &mut DramPool,
+    outbound: &HashSet<PageRef>,
+    scratch: &mut Scratch,
+) -> u32 {
+    let g = s.geometry;
+    let shape = g.page_shape();
+    let mut stepped = 0;
+    for (&block, &allocated) in &plan.allocated {
+        let r = PageRef { session, layer, block };
+        let Some(page) = s.pages.page(layer, block) else { continue };
+        let Place::Dram(slot) = page.place else { continue };
+        let target = precision::target_format(page.format, true, Some(allocated), demotion.format, plan.floor, true);
+        if target == page.format || outbound.contains(&r) {
+            continue;
+        }
+        let Scratch { src, dst } = scratch;
+        src.resize(slot.len as usize, 0);
+        let key = s.key.as_deref();
+        if let Err(e) = dram.get(&mut [PageRead { key, page: r.id(), slot, out: src }]).remove(0) {
+            tracing::warn!(session, layer, block, error = %e, "a DRAM page could not be read to step it down");
+            continue;
+        }
+        dst.resize(shape.page_bytes(target), 0);
+        let bt = g.block_tokens as usize;
+        if kvmm_kernels::requantize(shape, g.format(), page.format, src, bt, target, dst).is_err() {
+            continue;
+        }
+        match dram.put(&[PageWrite { key, page: r.id(), bytes: dst }]).remove(0) {
+            Ok(new) => {
+                dram.free(slot);
+                s.pages.set(layer, block, Place::Dram(new), target);
+                stepped += 1;
+            }
+            Err(TierError::Full { .. }) => break,
+            Err(e) => tracing::warn!(session, layer, block, error = %e, "a DRAM page could not be stepped down"),
+        }
+    }
+    stepped
 }
 
 /// Moves `pages` from the device to the DRAM pool (module doc), each in the format `demotion`
 /// gives it; returns how many moved. Stops at the first page the pool has no room for.
 pub fn demote_to_dram(core: &mut Core, demotion: &Demotion, pages: &[PageRef], scratch: &mut Scratch) -> Result<u32> {
-    let Core { pool, sessions, dram, tier_counters, metrics, .. } = core;
+    let Core { pool, sessions, dram, tier_counters, metrics, outbound, .. } = core;
     let Some(dram) = dram.as_mut() else { return Ok(0) };
     let mut moved = 0;
     let mut plans: HashMap<(u64, u32), LayerPlan> = HashMap::new();
     for &r in pages {
         let Some(s) = sessions.get_mut_unchecked(r.session) else { continue };
+        if s.pages.page(r.layer, r.block).and_then(|p| p.frame()).is_none() {
+            continue;
+        }
+        let plan = match plans.entry((r.session, r.layer)) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => {
+                let plan = LayerPlan::of(s, r.layer, demotion);
+                if demotion.by_age() {
+                    let stepped = step_down_in_dram(s, r.session, r.layer, &plan, demotion, dram, outbound, scratch);
+                    if stepped > 0 {
+                        tracing::debug!(session = r.session, layer = r.layer, stepped, "DRAM pages stepped down");
+                    }
+                }
+                e.insert(plan)
+            }
+        };
         let Some(page) = s.pages.page(r.layer, r.block) else { continue };
         let Some(frame) = page.frame() else { continue };
         let g = s.geometry;
         let shape = g.page_shape();
         let tokens = s.region.entry(r.layer, r.block)?.tokens_clamped(g.block_tokens);
-        let plan = plans.entry((r.session, r.layer)).or_insert_with(|| LayerPlan::of(s, r.layer, demotion));
-        let candidate = tokens == g.block_tokens && !keeps_precision(r.block, g.block_tokens, plan.written);
+        let candidate = plan.candidate(r.block, tokens, g.block_tokens);
         let allocated = plan.allocated.get(&r.block).copied();
-        let target = precision::target_format(page.format, candidate, allocated, demotion.format, plan.floor);
+        let target =
+            precision::target_format(page.format, candidate, allocated, demotion.format, plan.floor, demotion.by_age());
         let entry = s.table.entry_writer(r.layer, r.block)?;
         let client = s.region.entry(r.layer, r.block)?;
         let uid = s.owner.uid;
@@ -773,14 +878,18 @@ mod tests {
     fn the_sink_page_and_the_recent_window_keep_their_precision() {
         // 300 tokens in 32-token pages: blocks 0..=8 full, block 9 holds 12. The last 128 tokens
         // (172..300) touch blocks 5..=9.
-        let keeps: Vec<u32> = (0..10).filter(|&b| keeps_precision(b, 32, 300)).collect();
+        let w = RECENT_WINDOW_TOKENS;
+        let keeps: Vec<u32> = (0..10).filter(|&b| keeps_precision(b, 32, 300, w)).collect();
         assert_eq!(keeps, vec![0, 5, 6, 7, 8, 9]);
         // A layer exactly 128 tokens past a page boundary: that page is outside the window.
-        assert!(!keeps_precision(3, 32, 256) && keeps_precision(4, 32, 256));
+        assert!(!keeps_precision(3, 32, 256, w) && keeps_precision(4, 32, 256, w));
         // Short layers keep everything.
-        assert!((0..4).all(|b| keeps_precision(b, 32, 128)));
+        assert!((0..4).all(|b| keeps_precision(b, 32, 128, w)));
         // Long ones compress nearly everything.
-        assert_eq!((0..2048).filter(|&b| !keeps_precision(b, 16, 32_768)).count(), 2048 - 1 - 8);
+        assert_eq!((0..2048).filter(|&b| !keeps_precision(b, 16, 32_768, w)).count(), 2048 - 1 - 8);
+        // The age ranking's 32 tokens: the last 32 (268..300) touch blocks 8 and 9 only.
+        let keeps: Vec<u32> = (0..10).filter(|&b| keeps_precision(b, 32, 300, AGE_WINDOW_TOKENS)).collect();
+        assert_eq!(keeps, vec![0, 8, 9]);
     }
 
     #[test]

@@ -87,11 +87,12 @@ impl LivePolicy {
     }
 
     /// How a demotion now chooses each page's format: the mode's format with the configured
-    /// adaptive precision and floors.
+    /// adaptive precision, its ranking and floors.
     pub fn demotion(&self) -> Demotion {
         Demotion {
             format: self.tuning.demote_format,
             adaptive: self.precision.adaptive,
+            ranking: self.precision.ranking,
             floors: self.precision.floors.clone(),
         }
     }

@@ -1,17 +1,23 @@
 //! Precision of demoted pages: which format each page takes when it leaves the device.
 //!
 //! A demotion ([`Demotion`]) combines what the mode in force sets (its format, `None` for a
-//! lossless ladder) with what the `[policy]` table sets ([`PrecisionPolicy`]): adaptive precision
-//! and per-layer floors. For one page ([`target_format`]):
+//! lossless ladder) with what the `[policy]` table sets ([`PrecisionPolicy`]): adaptive precision,
+//! how it ranks pages ([`Ranking`]) and per-layer floors. For one page ([`target_format`]):
 //!
 //! ```text
-//!   already quantized, not full, sink or recent window ──► its own format (lossy is one-way)
+//!   not full, sink or recent window ─────────────────────► its own format
 //!   mode lossless ───────────────────────────────────────► its own format
-//!   adaptive ──► the format kvmm_kernels::precision::allocate_by_mass gives it among its layer's
-//!                candidates (full, not sink/recent) on the ladder around the mode's format, by
-//!                the attention mass the client's kernels recorded, at uniform mode-format bytes
-//!   otherwise ──► the mode's format
-//!   then raised to the layer's floor (a 16-bit floor keeps the page's own format)
+//!   adaptive ──► its layer's allocation among the candidates (full, not sink/recent):
+//!       by age (default): the newest pages past a 32-token window one step up from the mode's
+//!                format (q4 → k8v4), older ones the mode's format, paid for by the window's
+//!                pages below the usual 128 tokens (kvmm_kernels::precision::allocate_graded);
+//!                a page already quantized steps down to its allocation as it ages
+//!       by mass: kvmm_kernels::precision::allocate_by_mass on the ladder around the mode's
+//!                format, by the attention mass the client's kernels recorded, at uniform
+//!                mode-format bytes; a page already quantized keeps its format (one-way)
+//!   otherwise ──► the mode's format (a page already quantized keeps its own)
+//!   then raised to the layer's floor (a 16-bit floor keeps the page's own format); a quantized
+//!   page never goes up
 //! ```
 //!
 //! Floors apply in every mode: powersave's q4 does not go below a q8 floor. A floor never lowers
@@ -148,18 +154,54 @@ impl Floors {
     }
 }
 
+/// How adaptive precision ranks a layer's pages (`[policy] adaptive_ranking`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Ranking {
+    /// By age (`"age"`, the default): a 32-token recent window, the newest pages past it one step
+    /// up, older ones at the mode's format, stepping down as they age. Measured on SmolLM2's whole
+    /// shipped text: 32% less mean KL than uniform q4 at q4's bytes (README).
+    #[default]
+    Age,
+    /// By the attention mass the client's kernels recorded (`"mass"`): the 128-token window, the
+    /// most attended pages up and the least down; a quantized page keeps its format.
+    Mass,
+}
+
+impl Ranking {
+    /// The name in the configuration and in `Status`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Ranking::Age => "age",
+            Ranking::Mass => "mass",
+        }
+    }
+
+    /// Parses a name as [`Ranking::name`] writes it.
+    pub fn from_name(name: &str) -> Option<Ranking> {
+        [Ranking::Age, Ranking::Mass].into_iter().find(|r| r.name() == name.trim())
+    }
+}
+
+impl fmt::Display for Ranking {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// The precision settings of the `[policy]` table (the same in every mode; a reload replaces them).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PrecisionPolicy {
-    /// Per-page formats from attention mass on lossy demotion (`adaptive_precision`, default on).
+    /// Per-page formats on lossy demotion (`adaptive_precision`, default on).
     pub adaptive: bool,
+    /// How adaptive precision ranks pages (`adaptive_ranking`, default by age).
+    pub ranking: Ranking,
     /// Per-layer floors (`[[policy.floor]]`).
     pub floors: Floors,
 }
 
 impl Default for PrecisionPolicy {
     fn default() -> Self {
-        PrecisionPolicy { adaptive: true, floors: Floors::default() }
+        PrecisionPolicy { adaptive: true, ranking: Ranking::default(), floors: Floors::default() }
     }
 }
 
@@ -171,14 +213,22 @@ pub struct Demotion {
     pub format: Option<Format>,
     /// Adaptive precision on.
     pub adaptive: bool,
+    /// How adaptive precision ranks pages.
+    pub ranking: Ranking,
     /// Per-layer floors.
     pub floors: Floors,
 }
 
 impl Demotion {
-    /// Whether pages of a layer need [`layer_formats`] (a lossy, adaptive demotion).
+    /// Whether pages of a layer need an allocation (a lossy, adaptive demotion).
     pub fn ranks_pages(&self) -> bool {
         self.adaptive && self.format.is_some_and(Format::is_quantized)
+    }
+
+    /// Whether pages are allocated by age (a lossy, adaptive demotion ranking by age): the recent
+    /// window is shorter and quantized pages step down to their allocation as they age.
+    pub fn by_age(&self) -> bool {
+        self.ranks_pages() && self.ranking == Ranking::Age
     }
 }
 
@@ -211,19 +261,27 @@ pub fn raise(format: Format, floor: Option<Format>, own: Format) -> Format {
 /// The format a page whose current format is `current` takes when demoted: `candidate` says it is
 /// full and neither the sink page nor in the recent window; `allocated` is what adaptive precision
 /// gave it (`None` when adaptive precision is off); `mode` the mode's format (`None`: lossless);
-/// `floor` its layer's floor.
+/// `floor` its layer's floor; `steps_down` whether a quantized page takes an allocation with fewer
+/// bits (ranking by age) instead of keeping its format.
 pub fn target_format(
     current: Format,
     candidate: bool,
     allocated: Option<Format>,
     mode: Option<Format>,
     floor: Option<Format>,
+    steps_down: bool,
 ) -> Format {
-    if current.is_quantized() || !candidate {
+    if !candidate {
         return current;
     }
     let Some(mode) = mode.filter(|f| f.is_quantized()) else { return current };
-    raise(allocated.unwrap_or(mode), floor, current)
+    if !current.is_quantized() {
+        return raise(allocated.unwrap_or(mode), floor, current);
+    }
+    match allocated.map(|a| raise(a, floor, current)) {
+        Some(to) if steps_down && bits(to) < bits(current) => to,
+        _ => current,
+    }
 }
 
 #[cfg(test)]
@@ -233,7 +291,7 @@ mod tests {
 
     #[test]
     fn the_target_format_keeps_raises_or_follows_the_allocation() {
-        /// (what, current, candidate, allocated, mode, floor, want)
+        /// (what, current, candidate, allocated, mode, floor, want); pages never step down.
         type Case = (&'static str, Format, bool, Option<Format>, Option<Format>, Option<Format>, Format);
         let cases: &[Case] = &[
             ("the mode's format", F16, true, None, Some(Q4), None, Q4),
@@ -250,7 +308,24 @@ mod tests {
             ("a lossless mode stays lossless under a floor", F16, true, None, None, Some(Q4), F16),
         ];
         for &(what, current, candidate, allocated, mode, floor, want) in cases {
-            assert_eq!(target_format(current, candidate, allocated, mode, floor), want, "{what}");
+            assert_eq!(target_format(current, candidate, allocated, mode, floor, false), want, "{what}");
+        }
+        // Ranking by age: a quantized page steps down to its allocation, never up, never below its
+        // floor, and only where it is a candidate in a lossy mode.
+        let steps: &[Case] = &[
+            ("k8v4 aged out of the step up: q4", K8V4, true, Some(Q4), Some(Q4), None, Q4),
+            ("q8 from an earlier q8 mode: q4", Q8, true, Some(Q4), Some(Q4), None, Q4),
+            ("q4 allocated k8v4: stays q4", Q4, true, Some(K8V4), Some(Q4), None, Q4),
+            ("a k8v4 floor stops the step", K8V4, true, Some(Q4), Some(Q4), Some(K8V4), K8V4),
+            ("a q8 floor over k8v4: stays", K8V4, true, Some(Q4), Some(Q4), Some(Q8), K8V4),
+            ("a 16-bit floor: stays", K8V4, true, Some(Q4), Some(Q4), Some(F16), K8V4),
+            ("the recent window: stays", K8V4, false, Some(Q4), Some(Q4), None, K8V4),
+            ("lossless now: stays", K8V4, true, Some(Q4), None, None, K8V4),
+            ("no allocation: stays", K8V4, true, None, Some(Q4), None, K8V4),
+            ("16-bit as before", F16, true, Some(K8V4), Some(Q4), None, K8V4),
+        ];
+        for &(what, current, candidate, allocated, mode, floor, want) in steps {
+            assert_eq!(target_format(current, candidate, allocated, mode, floor, true), want, "{what}");
         }
     }
 
@@ -303,9 +378,16 @@ mod tests {
 
     #[test]
     fn only_a_lossy_adaptive_demotion_ranks_pages() {
-        let d = |format, adaptive| Demotion { format, adaptive, floors: Floors::default() };
-        assert!(d(Some(Q4), true).ranks_pages());
-        assert!(!d(Some(Q4), false).ranks_pages());
-        assert!(!d(None, true).ranks_pages());
+        let d = |format, adaptive, ranking| Demotion { format, adaptive, ranking, floors: Floors::default() };
+        assert!(d(Some(Q4), true, Ranking::Age).ranks_pages());
+        assert!(!d(Some(Q4), false, Ranking::Age).ranks_pages());
+        assert!(!d(None, true, Ranking::Age).ranks_pages());
+        assert!(d(Some(Q4), true, Ranking::Age).by_age());
+        assert!(!d(Some(Q4), true, Ranking::Mass).by_age());
+        assert!(!d(Some(Q4), false, Ranking::Age).by_age());
+        assert!(!d(None, true, Ranking::Age).by_age());
+        assert_eq!(Ranking::from_name(" mass "), Some(Ranking::Mass));
+        assert_eq!(Ranking::from_name("age").map(|r| r.to_string()), Some("age".to_owned()));
+        assert_eq!(Ranking::from_name("heat"), None);
     }
 }

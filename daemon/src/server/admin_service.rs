@@ -349,6 +349,7 @@ fn policy_status(v: &PolicyView) -> pb::PolicyStatus {
         pressure_watch: v.pressure_watch.clone(),
         sensor_problems: s.problems.clone(),
         adaptive_precision: v.precision.adaptive,
+        adaptive_ranking: v.precision.ranking.to_string(),
         layer_floors: v.precision.floors.iter().map(ToString::to_string).collect(),
     }
 }

@@ -75,9 +75,10 @@ struct EvalArgs {
     #[arg(long)]
     text: PathBuf,
     /// Storages to compare with the f16 reference: f16, bf16, q8, k8v4, q4, q2, auto (the daemon's
-    /// adaptive precision at q4's bytes), auto-FORMAT (around another compressed format),
-    /// auto-down (earlier pages also step down to each new allocation), graded-W (experiment:
-    /// a W-token window, then k8v4 pages aging into q4, at q4's bytes).
+    /// default adaptive precision, by age, at q4's bytes: a 32-token window, then k8v4 pages aging
+    /// into q4), auto-FORMAT (around another compressed format), graded-W (the same with a W-token
+    /// window), mass (adaptive precision by attention mass), mass-down (earlier pages also step
+    /// down to each new allocation), mass-FORMAT.
     #[arg(long, default_value = "q8,k8v4,q4,auto,q2")]
     formats: String,
     /// Use at most this many tokens of the text (default: all of it, up to the model's context).
@@ -272,7 +273,10 @@ impl Cache {
 fn policy_line(p: &PolicyStatus) -> String {
     let how = match p.demote_format.as_str() {
         "none" => "exactly".to_owned(),
-        f if p.adaptive_precision => format!("around {f}, per page by attention mass (adaptive precision)"),
+        f if p.adaptive_precision => match p.adaptive_ranking.as_str() {
+            "mass" => format!("around {f}, per page by attention mass (adaptive precision)"),
+            _ => format!("around {f}, the newest pages one step up (adaptive precision by age)"),
+        },
         f => format!("as {f}"),
     };
     let floors =

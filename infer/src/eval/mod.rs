@@ -90,8 +90,9 @@ pub fn parse_storages(list: &str) -> Result<Vec<Storage>, InferError> {
         .map(|name| {
             Storage::from_name(name).ok_or_else(|| {
                 InferError::InvalidArgument(format!(
-                    "\"{}\" is not a KV storage; use f16, bf16, q8, k8v4, q4, q2, auto, auto-FORMAT around a \
-                     compressed format (auto-q8), or graded-W with a window of W ≤ 128 tokens (graded-64)",
+                    "\"{}\" is not a KV storage; use f16, bf16, q8, k8v4, q4, q2, auto (by age) or auto-FORMAT \
+                     around another compressed format (auto-q8), graded-W with a window of W ≤ 128 tokens \
+                     (graded-64), or mass, mass-down, mass-FORMAT (by attention mass)",
                     name.trim()
                 ))
             })

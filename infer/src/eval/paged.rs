@@ -24,26 +24,30 @@
 //!          f16   <-- demoted as they left -->  <------ recent window (128 tokens) ------>
 //! ```
 //!
-//! **Adaptive precision** ([`Storage::Adaptive`], `auto`) decides at each demotion what the
-//! daemon's `LayerPlan` decides: the layer's candidates (every full page outside the sink page
-//! and window, already quantized or not) are ranked by importance with
-//! `kvmm_kernels::precision::allocate_by_mass` on the ladder around the mode's format, [`HI_SHARE`]
-//! of them up, at uniform mode bytes over the candidates; the page leaving takes its allocated
-//! format, and pages quantized earlier keep theirs (`target_format`). The allocation counts those
-//! earlier pages at their allocated formats, not their actual ones, so a layer's bytes match the
-//! budget only when every candidate is decided in one demotion; with one page per demotion they
-//! drift (the bytes actually stored are reported, never assumed). The `step_down` variant
-//! (`auto-down`, not the daemon's behaviour) also re-encodes earlier pages down to their new
-//! allocation (never up, as admin `Compress` steps pages down), which keeps every layer within
-//! the budget. Sixteen-bit candidates (only `auto-q8` keeps some: its pages up stay as written)
-//! are ranked again at every demotion, as the daemon ranks pages still on the device.
+//! **Adaptive precision by age** ([`Storage::ByAge`], `auto`: the daemon's default,
+//! `[policy] adaptive_ranking = "age"`) decides at each demotion what the daemon's `LayerPlan`
+//! decides: the window is [`AGE_WINDOW_TOKENS`], the layer's candidates (every full page outside
+//! the sink page and that window, already quantized or not) are allocated with
+//! `kvmm_kernels::precision::allocate_graded`: the newest one step up from the mode's format
+//! (q4 → k8v4), as many as the candidates the usual [`RECENT_WINDOW_TOKENS`] would have kept at
+//! the element format pay for, older ones at the mode's format. Every candidate takes its
+//! allocation unless a quantized page would go up, so a page steps down as it ages (the daemon
+//! re-encodes it in DRAM, `step_down_in_dram`). The cache never holds more bytes than uniform q4
+//! with the usual window (a test checks every length of a 2,048-token layer). `graded-W` is the
+//! same with a window of `W` tokens.
 //!
-//! **Age-graded storage** ([`Storage::Graded`], `graded-W`, an experiment the daemon does not run)
-//! keeps a window of `W ≤ 128` tokens at the element format, the newest
-//! [`graded_recent_pages`] candidates at k8v4 and older ones at q4: each demotion steps the page
-//! that ages past the k8v4 pages down to q4. The window's pages below the daemon's 128 tokens pay
-//! for the k8v4 pages, so the cache never holds more bytes than uniform q4 (a test checks every
-//! length of a 2,048-token layer).
+//! **Adaptive precision by mass** ([`Storage::ByMass`], `mass`: `adaptive_ranking = "mass"`)
+//! ranks the candidates (outside the usual window) by importance with
+//! `kvmm_kernels::precision::allocate_by_mass` on the ladder around the mode's format,
+//! [`HI_SHARE`] of them up, at uniform mode bytes over the candidates; the page leaving takes its
+//! allocated format, and pages quantized earlier keep theirs (`target_format`). The allocation
+//! counts those earlier pages at their allocated formats, not their actual ones, so a layer's
+//! bytes match the budget only when every candidate is decided in one demotion; with one page per
+//! demotion they drift (the bytes actually stored are reported, never assumed). The `step_down`
+//! variant (`mass-down`, not the daemon's behaviour) also re-encodes earlier pages down to their
+//! new allocation (never up), which keeps every layer within the budget. Sixteen-bit candidates
+//! (only `mass-q8` keeps some: its pages up stay as written) are ranked again at every demotion,
+//! as the daemon ranks pages still on the device.
 //!
 //! **Padding.** Page geometry needs `head_dim` a multiple of 16 in `16..=256`. Rows and queries are
 //! zero-padded per head to the next multiple of 16 and the padded output channels dropped; the
@@ -52,7 +56,7 @@
 //! (stored exactly) while padded value zeros join their token's value group, widening its range
 //! when the real channels do not straddle 0 (as in `quality`).
 
-use kvmm_kernels::precision::{HI_SHARE, Ladder, allocate_by_age, allocate_by_mass, graded_hi_pages, uniform_bytes};
+use kvmm_kernels::precision::{HI_SHARE, Ladder, allocate_by_mass, allocate_graded, uniform_bytes};
 use kvmm_kernels::{AttnShape, DecodeAttention, Format, KernelError, PageShape, PageView, init_page, requantize};
 
 use crate::config::ModelConfig;
@@ -68,73 +72,90 @@ pub const RECENT_WINDOW_TOKENS: usize = 128;
 /// (`client/src/session.rs`), mirrored because this crate does not depend on the client.
 pub const IMPORTANCE_EMA: f32 = 0.1;
 
+/// The recent window of the daemon's adaptive precision by age: `AGE_WINDOW_TOKENS`
+/// (`daemon/src/migrate/tiering.rs`), mirrored because this crate does not depend on the daemon.
+pub const AGE_WINDOW_TOKENS: usize = 32;
+
 /// How a cache stores the pages that leave the recent window.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Storage {
     /// Every such page in one format; a 16-bit format means nothing is ever quantized and every
     /// page is written in it (`f16` is the lossless reference).
     Uniform(Format),
-    /// The daemon's adaptive precision around the compressed format `mode` (module
-    /// documentation); pages are written as f16.
-    Adaptive {
-        /// The mode's format whose bytes the allocation spends (the issue's `auto`: q4).
+    /// The daemon's adaptive precision by age around the compressed format `mode` (`[policy]
+    /// adaptive_ranking = "age"`, its default; module documentation): the last `window` tokens
+    /// stay at the element format, the newest pages past them one step up from `mode`
+    /// (`age_step_up`: q4 → k8v4) and older ones at `mode`, each page stepping down as it ages. The
+    /// pages one step up are paid for by the window's pages below [`RECENT_WINDOW_TOKENS`], so the
+    /// cache holds no more bytes than uniform `mode` with the daemon's usual window. `auto` is the
+    /// daemon's: around q4 with [`AGE_WINDOW_TOKENS`]; `graded-W` tries other windows.
+    ByAge {
+        /// The mode's format.
         mode: Format,
-        /// Not what the daemon does today: at every demotion, pages quantized earlier also step
-        /// down (`requantize`, never up) to the format the new allocation gives them, so the
-        /// layer's bytes never exceed the budget (`auto-down`).
-        step_down: bool,
-    },
-    /// An age-graded ladder (`graded-W`; an experiment, not what the daemon does): the last
-    /// `window` tokens stay at the element format, the newest [`graded_recent_pages`] pages past
-    /// them are k8v4 and older pages q4, each page stepping down (`requantize`) as it ages. The
-    /// k8v4 pages are paid for by the window's pages below [`RECENT_WINDOW_TOKENS`], so the cache
-    /// holds no more bytes than uniform q4 with the daemon's window.
-    Graded {
         /// Tokens at the end of a layer kept at the element format (at most
         /// [`RECENT_WINDOW_TOKENS`]).
         window: usize,
     },
+    /// The daemon's adaptive precision by attention mass around the compressed format `mode`
+    /// (`adaptive_ranking = "mass"`; module documentation); pages are written as f16.
+    ByMass {
+        /// The mode's format whose bytes the allocation spends.
+        mode: Format,
+        /// Not what the daemon does: at every demotion, pages quantized earlier also step down
+        /// (`requantize`, never up) to the format the new allocation gives them, so the layer's
+        /// bytes never exceed the budget (`mass-down`).
+        step_down: bool,
+    },
 }
 
 impl Storage {
-    /// `auto`: the daemon's adaptive precision at uniform q4's bytes.
-    pub const AUTO: Storage = Storage::Adaptive { mode: Format::Q4, step_down: false };
+    /// `auto`: the daemon's default adaptive precision (by age) under q4.
+    pub const AUTO: Storage = Storage::ByAge { mode: Format::Q4, window: AGE_WINDOW_TOKENS };
 
-    /// `auto-down`: [`Storage::AUTO`] with earlier pages stepping down to the new allocation.
-    pub const AUTO_DOWN: Storage = Storage::Adaptive { mode: Format::Q4, step_down: true };
+    /// `mass`: the daemon's adaptive precision by attention mass under q4.
+    pub const MASS: Storage = Storage::ByMass { mode: Format::Q4, step_down: false };
+
+    /// `mass-down`: [`Storage::MASS`] with earlier pages stepping down to the new allocation.
+    pub const MASS_DOWN: Storage = Storage::ByMass { mode: Format::Q4, step_down: true };
 
     /// Parses a name as [`Storage::name`] writes it: a format name (`f16`, `bf16`, `q8`, `k8v4`,
-    /// `q4`, `q2`), `auto` (around q4), `auto-FORMAT` around another compressed format, and
-    /// `auto-down` or `auto-down-FORMAT` for the step-down variant.
+    /// `q4`, `q2`); `auto` (by age around q4) or `auto-FORMAT` around another compressed format;
+    /// `graded-W` or `graded-W-FORMAT` for a window of `W ≤ 128` tokens; `mass`, `mass-FORMAT`,
+    /// `mass-down` or `mass-down-FORMAT` by attention mass.
     pub fn from_name(name: &str) -> Option<Storage> {
         let name = name.trim();
-        if let Some(window) = name.strip_prefix("graded-") {
-            let window = window.parse().ok().filter(|&w| w <= RECENT_WINDOW_TOKENS)?;
-            return Some(Storage::Graded { window });
+        // `-FORMAT` at the end: a compressed format, q4 when absent.
+        let mode = |rest: &str| match rest {
+            "" => Some(Format::Q4),
+            _ => rest.strip_prefix('-').and_then(Format::from_name).filter(|f| f.is_quantized()),
+        };
+        if let Some(rest) = name.strip_prefix("auto") {
+            return Some(Storage::ByAge { mode: mode(rest)?, window: AGE_WINDOW_TOKENS });
         }
-        let Some(rest) = name.strip_prefix("auto") else { return Format::from_name(name).map(Storage::Uniform) };
-        let (step_down, rest) = match rest.strip_prefix("-down") {
-            Some(rest) => (true, rest),
-            None => (false, rest),
-        };
-        let mode = match rest {
-            "" => Format::Q4,
-            _ => rest.strip_prefix('-').and_then(Format::from_name).filter(|f| f.is_quantized())?,
-        };
-        Some(Storage::Adaptive { mode, step_down })
+        if let Some(rest) = name.strip_prefix("graded-") {
+            let (window, rest) = rest.split_at(rest.find('-').unwrap_or(rest.len()));
+            let window = window.parse().ok().filter(|&w| w <= RECENT_WINDOW_TOKENS)?;
+            return Some(Storage::ByAge { mode: mode(rest)?, window });
+        }
+        if let Some(rest) = name.strip_prefix("mass") {
+            let (step_down, rest) = match rest.strip_prefix("-down") {
+                Some(rest) => (true, rest),
+                None => (false, rest),
+            };
+            return Some(Storage::ByMass { mode: mode(rest)?, step_down });
+        }
+        Format::from_name(name).map(Storage::Uniform)
     }
 
-    /// The short name tables and tools use: `q4`, `auto`, `auto-q8`, `auto-down`.
+    /// The short name tables and tools use: `q4`, `auto`, `auto-q8`, `graded-64`, `mass-down`.
     pub fn name(&self) -> String {
+        let mode = |mode: Format| if mode == Format::Q4 { String::new() } else { format!("-{mode}") };
         match *self {
             Storage::Uniform(format) => format.name().to_owned(),
-            Storage::Graded { window } => format!("graded-{window}"),
-            Storage::Adaptive { mode, step_down } => {
-                let down = if step_down { "-down" } else { "" };
-                match mode {
-                    Format::Q4 => format!("auto{down}"),
-                    _ => format!("auto{down}-{mode}"),
-                }
+            Storage::ByAge { mode: m, window: AGE_WINDOW_TOKENS } => format!("auto{}", mode(m)),
+            Storage::ByAge { mode: m, window } => format!("graded-{window}{}", mode(m)),
+            Storage::ByMass { mode: m, step_down } => {
+                format!("mass{}{}", if step_down { "-down" } else { "" }, mode(m))
             }
         }
     }
@@ -159,13 +180,18 @@ fn bits(f: Format) -> u32 {
     f.k_bits() + f.v_bits()
 }
 
-/// What one demotion of a layer makes of its candidates: `candidates` holds, oldest first, the
-/// current format and importance of every full page outside the sink page and the window
-/// (already quantized or not; the page that just left is last); the result is each one's format
-/// afterwards (its current one when unchanged). Pages are written as `element`. Pure.
+/// What one demotion of a layer holding `tokens` tokens makes of its candidates: `candidates`
+/// holds, oldest first, the current format and importance of every full page outside the sink
+/// page and the window (already quantized or not; the page that just left is last); the result is
+/// each one's format afterwards (its current one when unchanged). Pages are written as `element`.
+/// Pure.
 ///
 /// - Uniform storage: 16-bit candidates take its format; quantized ones keep theirs.
-/// - Adaptive storage: `allocate_by_mass` over every candidate on the ladder around the mode
+/// - By age: `allocate_graded` over the candidates (the daemon's `LayerPlan` by age), paid for
+///   by the candidates the daemon's usual [`RECENT_WINDOW_TOKENS`] would keep at the element
+///   format; every page takes its allocation unless that has more bits than a quantized page's
+///   (the daemon's `target_format` stepping down, no floors).
+/// - By mass: `allocate_by_mass` over every candidate on the ladder around the mode
 ///   (`Ladder::around`), [`HI_SHARE`] up, at uniform mode bytes over the candidates (the daemon's
 ///   `policy::precision::layer_formats`); a 16-bit candidate takes its allocated format and a
 ///   quantized one keeps its own (the daemon's `target_format`, no floors), or with `step_down`
@@ -174,51 +200,42 @@ pub fn demotion_formats(
     storage: Storage,
     shape: PageShape,
     element: Format,
+    tokens: usize,
     candidates: &[(Format, f64)],
 ) -> Vec<Format> {
+    let step = |current: Format, to: Format, step_down: bool| match current.is_quantized() {
+        false => to,
+        true if step_down && bits(to) < bits(current) => to,
+        true => current,
+    };
     match storage {
         Storage::Uniform(format) => candidates
             .iter()
             .map(|&(current, _)| if current.is_quantized() || !format.is_quantized() { current } else { format })
             .collect(),
-        Storage::Graded { window } => {
-            let recent = graded_recent_pages(shape, element, window);
-            let allocated = allocate_by_age(candidates.len(), recent, Format::K8V4, Format::Q4);
-            candidates
-                .iter()
-                .zip(allocated)
-                .map(
-                    |(&(current, _), to)| {
-                        if !current.is_quantized() || bits(to) < bits(current) { to } else { current }
-                    },
-                )
-                .collect()
+        Storage::ByAge { mode, .. } => {
+            let allocated =
+                allocate_graded(shape, element, mode, candidates.len(), saved_pages(shape, tokens, candidates.len()));
+            candidates.iter().zip(allocated).map(|(&(current, _), to)| step(current, to, true)).collect()
         }
-        Storage::Adaptive { mode, step_down } => {
+        Storage::ByMass { mode, step_down } => {
             let Some(ladder) = Ladder::around(mode, element) else {
                 return candidates.iter().map(|&(current, _)| current).collect();
             };
             let mass: Vec<f64> = candidates.iter().map(|&(_, m)| m).collect();
             let allocated = allocate_by_mass(shape, &mass, ladder, HI_SHARE, uniform_bytes(shape, mode, mass.len()));
-            candidates
-                .iter()
-                .zip(allocated)
-                .map(|(&(current, _), to)| match current.is_quantized() {
-                    false => to,
-                    true if step_down && bits(to) < bits(current) => to,
-                    true => current,
-                })
-                .collect()
+            candidates.iter().zip(allocated).map(|(&(current, _), to)| step(current, to, step_down)).collect()
         }
     }
 }
 
-/// How many pages past a window of `window` tokens [`Storage::Graded`] keeps at k8v4: as many as
-/// the bytes of the window's pages below [`RECENT_WINDOW_TOKENS`] pay for at the difference
-/// between k8v4 and q4 (11 for SmolLM2's pages with a 64-token window). Pure.
-pub fn graded_recent_pages(shape: PageShape, element: Format, window: usize) -> usize {
-    let saved = RECENT_WINDOW_TOKENS.saturating_sub(window) / shape.block_tokens;
-    graded_hi_pages(shape, element, Format::K8V4, Format::Q4, saved)
+/// Of `candidates` pages past a shorter window (pages `1..=candidates`) in a layer of `tokens`
+/// tokens, how many the daemon's usual [`RECENT_WINDOW_TOKENS`] would keep at the element format:
+/// the pages whose bytes pay for the step up, counted as the daemon's `LayerPlan` counts them.
+fn saved_pages(shape: PageShape, tokens: usize, candidates: usize) -> usize {
+    let b = shape.block_tokens;
+    let outside = (1..=candidates).filter(|&p| (p + 1) * b + RECENT_WINDOW_TOKENS <= tokens).count();
+    candidates - outside
 }
 
 impl Storage {
@@ -226,7 +243,7 @@ impl Storage {
     /// daemon's window) unless it sets its own.
     pub fn window(&self, default: usize) -> usize {
         match *self {
-            Storage::Graded { window } => window,
+            Storage::ByAge { window, .. } => window,
             _ => default,
         }
     }
@@ -388,7 +405,7 @@ impl PagedKvCache {
             let pages = &mut self.layers[layer];
             self.candidates.clear();
             self.candidates.extend(pages[1..=p].iter().map(|page| (page.format, f64::from(page.importance))));
-            let targets = demotion_formats(self.storage, shape, self.element, &self.candidates);
+            let targets = demotion_formats(self.storage, shape, self.element, tokens, &self.candidates);
             for (c, (page, target)) in pages[1..=p].iter_mut().zip(targets).enumerate() {
                 if target == page.format {
                     continue;
@@ -510,103 +527,131 @@ mod tests {
 
     #[test]
     fn names_parse_back_to_the_same_storage() {
-        for name in
-            ["f16", "bf16", "q8", "k8v4", "q4", "q2", "auto", "auto-q8", "auto-k8v4", "auto-down", "auto-down-q2"]
-        {
+        for name in [
+            "f16",
+            "bf16",
+            "q8",
+            "k8v4",
+            "q4",
+            "q2",
+            "auto",
+            "auto-q8",
+            "graded-64",
+            "graded-0-k8v4",
+            "mass",
+            "mass-k8v4",
+            "mass-down",
+            "mass-down-q2",
+        ] {
             let storage = Storage::from_name(name).unwrap();
             assert_eq!(storage.name(), name);
         }
-        assert_eq!(Storage::from_name("auto"), Some(Storage::Adaptive { mode: Format::Q4, step_down: false }));
+        assert_eq!(Storage::from_name("auto"), Some(Storage::ByAge { mode: Format::Q4, window: 32 }));
         assert_eq!(Storage::from_name("auto-q4"), Some(Storage::AUTO));
-        assert_eq!(Storage::from_name("auto-down"), Some(Storage::AUTO_DOWN));
-        assert_eq!(Storage::from_name("auto-f16"), None);
-        assert_eq!(Storage::from_name("autoq8"), None);
-        assert_eq!(Storage::from_name("q3"), None);
-        assert_eq!(Storage::from_name("graded-64"), Some(Storage::Graded { window: 64 }));
-        assert_eq!(Storage::Graded { window: 32 }.name(), "graded-32");
+        assert_eq!(Storage::from_name("graded-32"), Some(Storage::AUTO));
+        assert_eq!(Storage::from_name("mass-q4"), Some(Storage::MASS));
+        assert_eq!(Storage::from_name("mass-down"), Some(Storage::MASS_DOWN));
+        for bad in ["auto-f16", "autoq8", "q3", "mass-", "graded-", "graded-64-f16", "graded-x"] {
+            assert_eq!(Storage::from_name(bad), None, "{bad}");
+        }
         assert_eq!(Storage::from_name("graded-129"), None, "no wider than the daemon's window");
-        assert_eq!((Storage::Graded { window: 64 }.window(128), Storage::AUTO.window(128)), (64, 128));
+        let graded = Storage::ByAge { mode: Format::Q4, window: 64 };
+        assert_eq!((graded.window(128), Storage::AUTO.window(128), Storage::MASS.window(128)), (64, 32, 128));
         assert_eq!(Storage::Uniform(Format::Bf16).element(), Format::Bf16);
         assert_eq!(Storage::AUTO.element(), Format::F16);
     }
 
     #[test]
-    fn graded_storage_keeps_its_newest_pages_at_k8v4_and_steps_older_ones_down_to_q4() {
+    fn by_age_the_newest_pages_are_k8v4_and_older_ones_step_down_to_q4() {
         use Format::*;
         let shape = PageShape { kv_heads: 3, head_dim: 64, block_tokens: 32 };
-        // SmolLM2's pages: two window pages saved pay for 11 k8v4 pages, one for 5, none for 0.
-        assert_eq!(
-            [64, 96, 32, 128].map(|w| graded_recent_pages(shape, F16, w)),
-            [11, 5, 17, 0],
-            "pages at k8v4 for windows of 64, 96, 32 and 128 tokens"
-        );
-        let graded = Storage::Graded { window: 64 };
-        // 14 candidates: the oldest 2 were k8v4 and age out; one q4 page stays; the leaving one is f16.
+        let graded = Storage::ByAge { mode: Q4, window: 64 };
+        // A 64-token window in a long layer: its two pages below the usual 128 tokens pay for 11
+        // k8v4 pages (SmolLM2's pages). 14 candidates: the oldest 2 were k8v4 and age out; one q4
+        // page stays; the leaving one is f16.
         let mut c = vec![(K8V4, 0.0), (K8V4, 0.0), (Q4, 0.0)];
         c.extend(std::iter::repeat_n((K8V4, 0.0), 10));
         c.push((F16, 0.0));
-        let got = demotion_formats(graded, shape, F16, &c);
+        let tokens = 15 * 32 + 64;
+        let got = demotion_formats(graded, shape, F16, tokens, &c);
         assert_eq!(&got[..3], [Q4, Q4, Q4]);
         assert!(got[3..].iter().all(|&f| f == K8V4), "{got:?}");
+        // A short layer (130 tokens): both candidates are among the last 128 tokens, so the usual
+        // window would keep both at f16, and both are k8v4.
+        let got = demotion_formats(Storage::AUTO, shape, F16, 130, &[(F16, 0.0), (F16, 0.0)]);
+        assert_eq!(got, [K8V4, K8V4]);
+        // Longer layers: the three pages between the last 32 and the last 128 tokens pay.
+        let saved = |tokens, candidates| saved_pages(shape, tokens, candidates);
+        assert_eq!([saved(130, 2), saved(160, 3), saved(192, 4), saved(224, 5), saved(2000, 60)], [2, 3, 3, 3, 3]);
         // Never up: a q2 page among the newest stays q2; a q8 page past them steps down.
-        let got = demotion_formats(graded, shape, F16, &[(Q8, 0.0), (Q2, 0.0)]);
+        let got = demotion_formats(graded, shape, F16, 160, &[(Q8, 0.0), (Q2, 0.0)]);
         assert_eq!(got, [K8V4, Q2]);
+        // Around q8 the step up is the page as written.
+        let around_q8 = Storage::ByAge { mode: Q8, window: 32 };
+        let got = demotion_formats(around_q8, shape, F16, 400, &[(F16, 0.0); 10]);
+        assert_eq!(got, [Q8, Q8, Q8, Q8, Q8, Q8, Q8, F16, F16, F16]);
     }
 
-    /// The cache graded storage keeps holds no more bytes than uniform q4 with the daemon's window,
-    /// at every length of a long layer.
+    /// The cache adaptive precision by age keeps holds no more bytes than uniform q4 with the
+    /// daemon's usual window, at every length of a long layer.
     #[test]
-    fn graded_storage_never_holds_more_bytes_than_uniform_q4() {
+    fn by_age_the_cache_never_holds_more_bytes_than_uniform_q4() {
         let cfg = ModelConfig { dim: 4 * 64, layers: 1, heads: 9, kv_heads: 3, seq_len: 2048, ..config(64) };
-        let mut next = stream(7);
-        let mut q4 = PagedKvCache::new(&cfg, 2048, Storage::Uniform(Format::Q4), 32, RECENT_WINDOW_TOKENS).unwrap();
-        let graded = Storage::Graded { window: 64 };
-        let mut g = PagedKvCache::new(&cfg, 2048, graded, 32, graded.window(RECENT_WINDOW_TOKENS)).unwrap();
-        let mut saw_k8v4 = false;
-        for t in 0..2048 {
-            let k: Vec<f32> = (0..3 * 64).map(|_| next()).collect();
-            let v: Vec<f32> = (0..3 * 64).map(|_| next()).collect();
-            q4.append(0, &k, &v).unwrap();
-            g.append(0, &k, &v).unwrap();
-            assert!(g.bytes().0 <= q4.bytes().0, "at {} tokens: {} > {}", t + 1, g.bytes().0, q4.bytes().0);
-            saw_k8v4 |= g.page_formats(0).contains(&Format::K8V4);
+        for (storage, k8v4) in [(Storage::AUTO, 17), (Storage::ByAge { mode: Format::Q4, window: 64 }, 11)] {
+            let mut next = stream(7);
+            let mut q4 = PagedKvCache::new(&cfg, 2048, Storage::Uniform(Format::Q4), 32, RECENT_WINDOW_TOKENS).unwrap();
+            let mut g = PagedKvCache::new(&cfg, 2048, storage, 32, storage.window(RECENT_WINDOW_TOKENS)).unwrap();
+            for t in 0..2048 {
+                let k: Vec<f32> = (0..3 * 64).map(|_| next()).collect();
+                let v: Vec<f32> = (0..3 * 64).map(|_| next()).collect();
+                q4.append(0, &k, &v).unwrap();
+                g.append(0, &k, &v).unwrap();
+                assert!(
+                    g.bytes().0 <= q4.bytes().0,
+                    "{storage} at {} tokens: {} > {}",
+                    t + 1,
+                    g.bytes().0,
+                    q4.bytes().0
+                );
+            }
+            let formats = g.page_formats(0);
+            assert_eq!(formats.iter().filter(|&&f| f == Format::K8V4).count(), k8v4, "{storage}: {formats:?}");
         }
-        let formats = g.page_formats(0);
-        assert!(saw_k8v4 && formats.iter().filter(|&&f| f == Format::K8V4).count() == 11, "{formats:?}");
     }
 
     #[test]
     fn a_demotion_gives_the_leaving_page_its_share_of_the_daemons_allocation() {
         use Format::*;
         let shape = PageShape { kv_heads: 3, head_dim: 64, block_tokens: 32 };
-        let formats =
-            |storage: Storage, candidates: &[(Format, f64)]| demotion_formats(storage, shape, F16, candidates);
+        let formats = |storage: Storage, candidates: &[(Format, f64)]| {
+            demotion_formats(storage, shape, F16, (candidates.len() + 5) * 32, candidates)
+        };
         assert_eq!(formats(Storage::Uniform(Q4), &[(Q4, 1.0), (F16, 1.0)]), [Q4, Q4]);
         assert_eq!(formats(Storage::Uniform(F16), &[(F16, 1.0), (F16, 1.0)]), [F16, F16]);
         // Fewer than 10 candidates: 5% rounds to no page up, nothing pays, uniform q4.
-        assert_eq!(formats(Storage::AUTO, &[(Q4, 0.0), (Q4, 0.0), (F16, 9.0)]), [Q4, Q4, Q4]);
+        assert_eq!(formats(Storage::MASS, &[(Q4, 0.0), (Q4, 0.0), (F16, 9.0)]), [Q4, Q4, Q4]);
         // 20 candidates, the first 19 quantized as q4: the leaving page goes up when it has the
         // most mass, down when it has the least, and the older pages stay as they are ...
         let mut c: Vec<(Format, f64)> = (0..20).map(|p| (Q4, 1.0 + f64::from(p % 5))).collect();
         c[19] = (F16, 100.0);
-        let got = formats(Storage::AUTO, &c);
+        let got = formats(Storage::MASS, &c);
         assert_eq!((got[19], got.iter().filter(|&&f| f == Q4).count()), (Q8, 19));
         c[19].1 = 0.0;
-        assert_eq!(formats(Storage::AUTO, &c)[19], Q2);
+        assert_eq!(formats(Storage::MASS, &c)[19], Q2);
         c[19].1 = 3.0;
-        assert_eq!(formats(Storage::AUTO, &c)[19], Q4);
+        assert_eq!(formats(Storage::MASS, &c)[19], Q4);
         // ... unless they step down: the two oldest of the least mass pay for the leaving q8 page.
         c[19].1 = 100.0;
-        let down = formats(Storage::AUTO_DOWN, &c);
+        let down = formats(Storage::MASS_DOWN, &c);
         assert_eq!((down[19], down[0], down[5]), (Q8, Q2, Q2));
         assert_eq!(down.iter().filter(|&&f| f == Q4).count(), 17);
         // Stepping down never raises: a q2 page allocated q4 stays q2; a q8 page allocated q4 drops.
         c[0] = (Q2, 50.0);
         c[1] = (Q8, 1.5);
-        let down = formats(Storage::AUTO_DOWN, &c);
+        let down = formats(Storage::MASS_DOWN, &c);
         assert_eq!((down[0], down[1]), (Q2, Q4));
         // Around q8 the page up stays as written.
-        let around_q8 = Storage::Adaptive { mode: Q8, step_down: false };
+        let around_q8 = Storage::ByMass { mode: Q8, step_down: false };
         let c: Vec<(Format, f64)> = (0..20).map(|p| (F16, f64::from(p))).collect();
         let got = formats(around_q8, &c);
         assert_eq!((got[19], got[0], got[1], got[2]), (F16, Q4, Q4, Q8));

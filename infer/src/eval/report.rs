@@ -190,6 +190,15 @@ impl fmt::Display for EvalReport {
             self.margin,
             self.seconds,
         )?;
+        let own: Vec<String> = self
+            .passes
+            .iter()
+            .filter(|p| p.storage.window(self.window_tokens) != self.window_tokens)
+            .map(|p| format!("{} the last {}", p.storage, p.storage.window(self.window_tokens)))
+            .collect();
+        if !own.is_empty() {
+            writeln!(f, "windows of their own (adaptive precision by age): {}", own.join(", "))?;
+        }
         if self.page_head_dim != self.head_dim {
             writeln!(
                 f,

@@ -11,7 +11,10 @@
 //!   attention on every layer at every step, print `appended ...`, then obey commands: `check K`,
 //!   `append K`, `loop` (attention rounds until `stop`), `stats`, `exit`. Pages the daemon has
 //!   recompressed are checked against this process's own K/V passed through the same quantizer
-//!   (through the `--requantized-from` format first, when pages step down from it). `digest` prints
+//!   (through the compressed format this process last read the page in first, when the page has
+//!   stepped down since, else through the `--requantized-from` format when it steps down from
+//!   that). `append-only K` appends without attention (pages the daemon demoted stay where they
+//!   are). `digest` prints
 //!   a digest of the exact bits of every layer's output for a fixed query; `prefetch` hints every
 //!   page of the session. `--canary` fills every value row with the bytes of `CANARY`.
 //!   `--quota-tokens Q [--evict]` attach with a quota (and opt-in eviction); `--attend-every K`
@@ -150,6 +153,9 @@ struct Checked {
     canary: bool,
     /// The format lower pages were recompressed from (`--requantized-from q8`), if not from 16-bit.
     via: Option<kvmm_kernels::format::Format>,
+    /// The compressed format each page (layer, block) was last read in: a page read in a lower
+    /// one later was stepped down from it.
+    read_as: HashMap<(u32, u32), kvmm_kernels::format::Format>,
     /// `--attend-every K`: attention on every layer after every K-th appended token only.
     attend_every: usize,
     /// `--hot-blocks`, `--hot-scale`: blocks whose keys are scaled, and by how much.
@@ -250,7 +256,8 @@ impl Checked {
                 v.extend_from_slice(&values[span]);
                 continue;
             }
-            let via = self.via;
+            let earlier = self.read_as.insert((layer, block as u32), format);
+            let via = earlier.filter(|&e| e != format).or(self.via);
             let (kq, vq) = self.requantized.entry((layer, block as u32, format.as_u8())).or_insert_with(|| {
                 let shape = g.page_shape();
                 let mut page = vec![0u8; shape.page_bytes(g.format())];
@@ -475,6 +482,7 @@ fn run(a: &Args, forever: bool) {
         worst: 0.0,
         formats_seen: Default::default(),
         requantized: HashMap::new(),
+        read_as: HashMap::new(),
         via: a.0.get("requantized-from").map(|name| {
             kvmm_kernels::format::Format::ALL
                 .into_iter()
@@ -505,6 +513,10 @@ fn run(a: &Args, forever: bool) {
             }
             (Some("append"), Some(k)) => {
                 c.append(k, true);
+                c.report("appended");
+            }
+            (Some("append-only"), Some(k)) => {
+                c.append(k, false);
                 c.report("appended");
             }
             (Some("loop"), _) => {
