@@ -274,7 +274,8 @@ fn policy_line(p: &PolicyStatus) -> String {
     let how = match p.demote_format.as_str() {
         "none" => "exactly".to_owned(),
         f if p.adaptive_precision => match p.adaptive_ranking.as_str() {
-            "mass" => format!("around {f}, per page by attention mass (adaptive precision)"),
+            // An older kvmmd reports no ranking: it ranked by mass.
+            "mass" | "" => format!("around {f}, per page by attention mass (adaptive precision)"),
             _ => format!("around {f}, the newest pages one step up (adaptive precision by age)"),
         },
         f => format!("as {f}"),
