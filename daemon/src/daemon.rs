@@ -978,7 +978,7 @@ impl Daemon {
                 .filter(|r| s.pages.page(r.layer, r.block).is_some_and(|p| matches!(p.place, Place::Dram(_))))
                 .copied()
                 .collect();
-            tiering::move_to_flash(&mut core, flash, &in_dram)?;
+            tiering::move_to_flash(&mut core, flash, &demotion, &in_dram)?;
         }
         let s = core.sessions.get_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
         let there = refs

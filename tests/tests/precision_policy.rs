@@ -237,6 +237,46 @@ fn by_age_the_newest_pages_take_k8v4_and_step_down_to_q4_in_dram_as_they_age() {
     assert!(daemon.stop().success());
 }
 
+/// On their way to flash, pages step down first: flash keeps a page's format. 45 pages per layer go
+/// to DRAM at 1,440 tokens (k8v4 27..=43; the client reads them once, so that it checks the pages
+/// stepped down through k8v4), 320 more tokens are appended, then only the old pages,
+/// all in DRAM, are sent to flash: nothing leaves the device, so only the move to flash plans the
+/// layers again, and the pages that aged past the newest 17 land in flash as q4.
+#[test]
+fn by_age_pages_step_down_before_they_go_to_flash() {
+    let flash = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start_tiered("64MiB", flash.path(), &["--mode", "powersave"]);
+    let mut c = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "1440", "--no-attend", "--seed", "15"]);
+    let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
+    // Read once (so the client knows which pages were k8v4) and back down to DRAM.
+    assert_eq!(daemon.demote(session, Tier::Dram).demoted, 90);
+    read_formats(&mut c, 2);
+    assert_eq!(daemon.demote(session, Tier::Dram).demoted, 90);
+    c.send("append-only 320");
+    c.expect_line("appended");
+    let request = pb::DemoteRequest {
+        session_id: session,
+        first_block: 0,
+        blocks: 45,
+        tier: Tier::Flash as i32,
+        ..Default::default()
+    };
+    let moved = daemon.admin(async |mut a| a.demote(request).await.unwrap().into_inner());
+    assert_eq!(moved.demoted, 90, "{moved:?}");
+    let list = daemon.admin(async |mut a| a.list_sessions(pb::ListSessionsRequest {}).await.unwrap().into_inner());
+    let flash_tier = list.sessions[0].tiers.iter().find(|t| t.tier == "flash").unwrap();
+    let census: BTreeMap<String, u64> = flash_tier.by_format.iter().map(|f| (f.format.clone(), f.pages)).collect();
+    // Per layer: q4 1..=36, k8v4 37..=44 (block 44 left the window since), f16 the sink page.
+    let want = [("f16", 2), ("k8v4", 16), ("q4", 72)].map(|(f, n)| (f.to_owned(), n)).into_iter().collect();
+    assert_eq!(census, want);
+    for pages in read_formats(&mut c, 2) {
+        assert_eq!(count(&pages, 1..=36), counts(&[("q4", 36)]), "{pages:?}");
+        assert_eq!(count(&pages, 37..=44), counts(&[("k8v4", 8)]), "{pages:?}");
+    }
+    finish(c);
+    assert!(daemon.stop().success());
+}
+
 /// An administrator's `Compress` obeys the floors too: layer 0 (floor q8) goes down to q8 only,
 /// layer 1 (floor f16) is left alone and counted in `skipped_floor`, layer 2 (no floor) takes the
 /// q4 asked for. The client's checks hold over the pages in their new formats.

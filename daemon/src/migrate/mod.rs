@@ -219,7 +219,10 @@ pub fn flash_task(daemon: Arc<Daemon>, shared: Arc<Shared>) {
     while !daemon.is_shutting_down() {
         daemon.beat(crate::systemd::Loop::Flash);
         shared.flash_wanted.wait(TIER_TICK);
-        let tuning = daemon.policy.lock().tuning();
+        let (tuning, demotion) = {
+            let policy = daemon.policy.lock();
+            (policy.tuning(), policy.demotion())
+        };
         let allowed = shared.allowance(&tuning, Instant::now());
         let mut core = daemon.core.lock();
         // The device drain is the tier mover's; only the DRAM watermark is acted on here.
@@ -228,7 +231,7 @@ pub fn flash_task(daemon: Arc<Daemon>, shared: Arc<Shared>) {
             continue;
         }
         let before = dram_used(&core);
-        if let Err(e) = tiering::spill_dram(&mut core, flash, spill, &none, tiering::Need::Cold) {
+        if let Err(e) = tiering::spill_dram(&mut core, flash, &demotion, spill, &none, tiering::Need::Cold) {
             tracing::warn!(error = %e, "background demotion to flash failed");
         }
         let moved = before.saturating_sub(dram_used(&core));

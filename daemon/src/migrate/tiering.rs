@@ -314,8 +314,8 @@ impl LayerPlan {
 /// has fewer bits than their format (a page that aged past the step-up pages), so the layer stays
 /// within the mode's bytes. Pages on their way to flash, pages the quantizer refuses and pages
 /// the pool has no room for (the new encoding is stored before the old one is freed) stay as they
-/// are; so do pages in flash (they step down if they come back and are demoted again). Returns
-/// pages re-encoded.
+/// are; pages in flash keep their format ([`move_to_flash`] steps pages down before it seals them).
+/// Returns pages re-encoded.
 #[allow(clippy::too_many_arguments)]
 fn step_down_in_dram(
     s: &mut Session,
@@ -782,7 +782,7 @@ pub fn make_room(
             // DRAM is full (or absent): push its coldest pages to flash, then try again.
             let Some(flash) = flash else { return Ok(false) };
             let spill = victims.iter().filter_map(|r| footprint(core, *r)).sum::<u64>();
-            if spill_dram(core, flash, spill, protect, Need::Waiting)? == 0 {
+            if spill_dram(core, flash, demotion, spill, protect, Need::Waiting)? == 0 {
                 if core.outbound.is_empty() {
                     return Ok(false);
                 }
@@ -820,7 +820,7 @@ pub fn demote_coldest(
         && let Some(flash) = flash
     {
         let spill = victims.iter().filter_map(|r| footprint(core, *r)).sum::<u64>();
-        if spill_dram(core, flash, spill, &HashSet::new(), Need::Waiting)? > 0 {
+        if spill_dram(core, flash, demotion, spill, &HashSet::new(), Need::Waiting)? > 0 {
             demote_to_dram(core, demotion, &victims, scratch)?;
         }
     }
@@ -828,9 +828,18 @@ pub fn demote_coldest(
 }
 
 /// Moves `pages` from DRAM to flash with the flash I/O outside the core lock: the guard is
-/// released while the pages are sealed and written and taken again to commit them. Returns pages
-/// moved.
-pub fn move_to_flash(core: &mut MutexGuard<'_, Core>, flash: &Mutex<FlashFile>, pages: &[PageRef]) -> Result<u32> {
+/// released while the pages are sealed and written and taken again to commit them. Under adaptive
+/// precision by age, the layers of `pages` are planned first and their DRAM pages stepped down
+/// ([`step_down_in_dram`]): a page keeps its format in flash. Returns pages moved.
+pub fn move_to_flash(
+    core: &mut MutexGuard<'_, Core>,
+    flash: &Mutex<FlashFile>,
+    demotion: &Demotion,
+    pages: &[PageRef],
+) -> Result<u32> {
+    if demotion.by_age() {
+        step_down_layers(core, demotion, pages);
+    }
     let mut out = take_from_dram(core, pages)?;
     if out.is_empty() {
         return Ok(0);
@@ -855,6 +864,7 @@ pub fn move_to_flash(core: &mut MutexGuard<'_, Core>, flash: &Mutex<FlashFile>, 
 pub fn spill_dram(
     core: &mut MutexGuard<'_, Core>,
     flash: &Mutex<FlashFile>,
+    demotion: &Demotion,
     bytes: u64,
     protect: &HashSet<PageRef>,
     need: Need,
@@ -863,7 +873,24 @@ pub fn spill_dram(
     if victims.is_empty() {
         return Ok(0);
     }
-    move_to_flash(core, flash, &victims)
+    move_to_flash(core, flash, demotion, &victims)
+}
+
+/// Plans each layer of `pages` as [`demote_to_dram`] would and steps its DRAM pages down
+/// ([`step_down_in_dram`]).
+fn step_down_layers(core: &mut Core, demotion: &Demotion, pages: &[PageRef]) {
+    let Core { sessions, dram, outbound, .. } = core;
+    let Some(dram) = dram.as_mut() else { return };
+    let layers: HashSet<(u64, u32)> = pages.iter().map(|r| (r.session, r.layer)).collect();
+    let mut scratch = Scratch::default();
+    for (session, layer) in layers {
+        let Some(s) = sessions.get_mut_unchecked(session) else { continue };
+        let plan = LayerPlan::of(s, layer, demotion);
+        let stepped = step_down_in_dram(s, session, layer, &plan, demotion, dram, outbound, &mut scratch);
+        if stepped > 0 {
+            tracing::debug!(session, layer, stepped, "DRAM pages stepped down before flash");
+        }
+    }
 }
 
 fn footprint(core: &Core, r: PageRef) -> Option<u64> {
