@@ -310,6 +310,28 @@ impl LayerPlan {
     }
 }
 
+/// [`LayerPlan::of`] for `layer` of session `session` (`s`), with the layer's DRAM pages stepped
+/// down to it under adaptive precision by age ([`step_down_in_dram`]).
+#[allow(clippy::too_many_arguments)]
+fn plan_layer(
+    s: &mut Session,
+    session: u64,
+    layer: u32,
+    demotion: &Demotion,
+    dram: &mut DramPool,
+    outbound: &HashSet<PageRef>,
+    scratch: &mut Scratch,
+) -> LayerPlan {
+    let plan = LayerPlan::of(s, layer, demotion);
+    if demotion.by_age() {
+        let stepped = step_down_in_dram(s, session, layer, &plan, demotion, dram, outbound, scratch);
+        if stepped > 0 {
+            tracing::debug!(session, layer, stepped, "DRAM pages stepped down");
+        }
+    }
+    plan
+}
+
 /// Adaptive precision by age: re-encodes the layer's pages in DRAM whose allocation in `plan` now
 /// has fewer bits than their format (a page that aged past the step-up pages), so the layer stays
 /// within the mode's bytes. Pages on their way to flash, pages the quantizer refuses and pages
@@ -377,16 +399,7 @@ pub fn demote_to_dram(core: &mut Core, demotion: &Demotion, pages: &[PageRef], s
         }
         let plan = match plans.entry((r.session, r.layer)) {
             Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => {
-                let plan = LayerPlan::of(s, r.layer, demotion);
-                if demotion.by_age() {
-                    let stepped = step_down_in_dram(s, r.session, r.layer, &plan, demotion, dram, outbound, scratch);
-                    if stepped > 0 {
-                        tracing::debug!(session = r.session, layer = r.layer, stepped, "DRAM pages stepped down");
-                    }
-                }
-                e.insert(plan)
-            }
+            Entry::Vacant(e) => e.insert(plan_layer(s, r.session, r.layer, demotion, dram, outbound, scratch)),
         };
         let Some(page) = s.pages.page(r.layer, r.block) else { continue };
         let Some(frame) = page.frame() else { continue };
@@ -885,11 +898,7 @@ fn step_down_layers(core: &mut Core, demotion: &Demotion, pages: &[PageRef]) {
     let mut scratch = Scratch::default();
     for (session, layer) in layers {
         let Some(s) = sessions.get_mut_unchecked(session) else { continue };
-        let plan = LayerPlan::of(s, layer, demotion);
-        let stepped = step_down_in_dram(s, session, layer, &plan, demotion, dram, outbound, &mut scratch);
-        if stepped > 0 {
-            tracing::debug!(session, layer, stepped, "DRAM pages stepped down before flash");
-        }
+        plan_layer(s, session, layer, demotion, dram, outbound, &mut scratch);
     }
 }
 
