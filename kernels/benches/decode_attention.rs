@@ -18,7 +18,8 @@
 //! 2.5× full f16).
 //!
 //! `cargo bench -p kvmm-kernels --bench decode_attention` (with `KVMM_BENCH_SUMMARY_ONLY=1`, only the
-//! table; `KVMM_BENCH_CONTEXTS=131072` for other contexts).
+//! table; `KVMM_BENCH_CONTEXTS=131072` for other contexts; `KVMM_BENCH_PROFILE_ATTEND=smollm2/ctx4096/q4`
+//! to run one case's attention alone for a profiler).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -256,6 +257,21 @@ fn main() {
         while start.elapsed() < Duration::from_secs(4) {
             black_box(select_pages(case.shape, &case.q, case.scale, &views, views.len() / 4).expect("valid pages"));
         }
+        return;
+    }
+    // `KVMM_BENCH_PROFILE_ATTEND=<case label>/<format>` (e.g. `smollm2/ctx4096/q4`): run only the best
+    // kernel's attention over that case's pages in that format for a few seconds, for a profiler.
+    if let Ok(target) = std::env::var("KVMM_BENCH_PROFILE_ATTEND") {
+        let (label, format) = target.rsplit_once('/').expect("a case label and a format, such as smollm2/ctx4096/q4");
+        let case = cases.iter().find(|c| c.label == label).expect("a case label such as smollm2/ctx4096");
+        let stored = case.stored.iter().find(|s| s.format.name() == format).expect("a format such as q4");
+        let mut attention = DecodeAttention::new(case.shape, &case.q, case.scale).expect("valid shape");
+        let (mut out, mut mass) = (vec![0.0; case.shape.q_heads * case.shape.head_dim], vec![0.0; case.pages()]);
+        let (start, mut best) = (Instant::now(), f64::INFINITY);
+        while start.elapsed() < Duration::from_secs(4) {
+            best = best.min(best_seconds(1, || stored.attend(case, &mut attention, &mut out, &mut mass)));
+        }
+        println!("{target}: best {:.1} µs per call, {:.2} Mtok/s", best * 1e6, case.context as f64 / best / 1e6);
         return;
     }
 

@@ -8,14 +8,16 @@
 //! are the kernels' speed on data in cache. Targets: quantize f16 → q8 ≥ 2 G elements/s, dequantize
 //! ≥ 10 G elements/s.
 //!
-//! `cargo bench -p kvmm-kernels --bench quantize` (`KVMM_BENCH_ISA=avx512` for one kernel only)
+//! `cargo bench -p kvmm-kernels --bench quantize` (`KVMM_BENCH_ISA=avx512` for one kernel only,
+//! `KVMM_BENCH_RUNS=200` for the best of more runs than 20, `KVMM_BENCH_TO_PAGE=smollm2/q4` for one
+//! `dequantize_page` figure alone)
 
 use std::hint::black_box;
 use std::time::Instant;
 
 use kvmm_kernels::{
-    Format, Isa, PageShape, dequantize, dequantize_page_with, dequantize_with, init_page, quantize, quantize_with,
-    requantize, write_rows,
+    Format, Isa, PageShape, dequantize, dequantize_page, dequantize_page_with, dequantize_with, init_page, quantize,
+    quantize_with, requantize, write_rows,
 };
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -69,8 +71,32 @@ fn main() {
             let mut back = vec![0u8; f16_bytes];
             // `KVMM_BENCH_ISA=avx512` (say) measures one kernel only, e.g. for profiling.
             let only = std::env::var("KVMM_BENCH_ISA").ok();
+            // `KVMM_BENCH_TO_PAGE=smollm2/q4` (say): only the best kernel's `dequantize_page` of that
+            // shape and format, best of 3 s of runs, for A/B comparisons and profiling.
+            if let Ok(target) = std::env::var("KVMM_BENCH_TO_PAGE") {
+                if target != format!("{name}/{format}") {
+                    continue;
+                }
+                let (start, mut best) = (Instant::now(), f64::INFINITY);
+                while start.elapsed().as_secs_f64() < 3.0 {
+                    best = best.min(best_seconds(1, || {
+                        for page in quantized.chunks_exact(bytes) {
+                            dequantize_page(shape, format, black_box(page), BLOCK_TOKENS, Format::F16, &mut back)
+                                .expect("valid page");
+                            black_box(&back);
+                        }
+                    }));
+                }
+                println!("{target}: dequantize_page {:.2} G elements/s", elements / best / 1e9);
+                continue;
+            }
             for isa in Isa::available().into_iter().filter(|isa| only.as_deref().is_none_or(|o| o == isa.name())) {
-                let runs = if isa == Isa::Scalar { 3 } else { 20 };
+                // `KVMM_BENCH_RUNS=200` (say): more runs per figure, for a noisy machine.
+                let runs = match (isa, std::env::var("KVMM_BENCH_RUNS").ok().and_then(|r| r.parse().ok())) {
+                    (Isa::Scalar, _) => 3,
+                    (_, Some(runs)) => runs,
+                    (_, None) => 20,
+                };
                 let quantize = best_seconds(runs, || {
                     for src in sources.chunks_exact(f16_bytes) {
                         quantize_with(isa, shape, Format::F16, black_box(src), BLOCK_TOKENS, format, &mut dst)
@@ -103,7 +129,9 @@ fn main() {
                 );
             }
         }
-        requantize_table(name, shape, &sources);
+        if std::env::var_os("KVMM_BENCH_TO_PAGE").is_none() {
+            requantize_table(name, shape, &sources);
+        }
     }
 }
 

@@ -426,3 +426,39 @@ fn dequantize_page_refuses_what_it_cannot_do() {
     assert!(dequantize_page(shape, Format::Q4, &q8, 5, Format::F16, &mut dst).is_err());
     dequantize_page(shape, Format::Q8, &q8, 5, Format::F16, &mut dst).unwrap();
 }
+
+#[test]
+fn dequantize_page_bounds_cover_only_the_tokens_read() {
+    // The tokens past those read hold keys far above (even channels) or below (odd channels) the
+    // ones read, so their codes are the extremes: a kernel that let an unread token's code into a
+    // channel's bounds, or left a read one out, writes a different page. Every count read, every
+    // kernel, every format (keys may be decoded by table, bounds found on the codes).
+    let shape = PageShape { kv_heads: 2, head_dim: 32, block_tokens: 32 };
+    let row = shape.kv_heads * shape.head_dim;
+    for read in 1..=32 {
+        let k: Vec<f32> = (0..32 * row)
+            .map(|i| match (i / row, i % shape.head_dim) {
+                // Rising along the tokens (falling in every third channel), so each prefix has its
+                // own extremes, in the last token read.
+                (t, c) if t < read && c % 3 == 0 => 90.0 - 5.8 * t as f32,
+                (t, _) if t < read => -90.0 + 5.8 * t as f32,
+                (_, c) if c % 2 == 0 => 100.0,
+                _ => -100.0,
+            })
+            .collect();
+        let v: Vec<f32> = (0..32 * row).map(|i| (i % 7) as f32 - 3.0).collect();
+        let mut f16_page = vec![0u8; shape.page_bytes(Format::F16)];
+        init_page(shape, Format::F16, &mut f16_page).unwrap();
+        write_rows(shape, Format::F16, &mut f16_page, 0, &k, &v).unwrap();
+        for format in Format::QUANTIZED {
+            let mut src = vec![0u8; shape.page_bytes(format)];
+            quantize(shape, Format::F16, &f16_page, 32, format, &mut src).unwrap();
+            let want = reference_page(shape, format, &src, read, Format::F16);
+            for isa in Isa::available() {
+                let mut dst = vec![0xa5u8; shape.page_bytes(Format::F16)];
+                dequantize_page_with(isa, shape, format, &src, read, Format::F16, &mut dst).unwrap();
+                assert!(dst == want, "{isa}: {format}, {read} of 32 tokens read");
+            }
+        }
+    }
+}
