@@ -20,12 +20,14 @@
 //! Keys of pages of 32 token slots (the default) take a shorter path when a head's key parameters
 //! are finite with non-negative scales, as the quantizer writes them: then an element never
 //! decreases with its code, so a channel's bounds are the rounded values of its smallest and largest
-//! filled code, found on the code bytes themselves (`64 / row` channels per vector, a few byte
-//! minima and maxima) instead of on every decoded element, and 4- and 2-bit key channels are
-//! decoded by table as the values are. To a page: SmolLM2 q4 pages 4.62 → 9.25 G elements/s, q2
-//! 6.77 → 9.90, k8v4 4.78 → 7.56, q8 6.54 → 7.66; Llama-3-8B q4 6.01 → 11.21, q2 7.26 → 11.36,
-//! k8v4 7.42 → 8.89, q8 7.31 → 8.50 (`KVMM_BENCH_TO_PAGE=smollm2/q4 cargo bench -p kvmm-kernels
-//! --bench quantize`, best of 3 s each, both builds in one sitting, 2026-12-02).
+//! filled code, found on the code bytes themselves (byte minima and maxima, folded 16 channels at a
+//! time by a transposing reduction) instead of on every decoded element, and 4- and 2-bit key
+//! channels are decoded by table as the values are. To a page, against the general path (ad70e6e),
+//! both measured in one sitting on 2026-12-02 (`KVMM_BENCH_TO_PAGE=smollm2/q4 cargo bench -p
+//! kvmm-kernels --bench quantize`, best of 3 s; two runs of the new code, which differ by the
+//! machine's noise): SmolLM2 pages q4 6.21 → 9.27–9.32 G elements/s, q8 6.69 → 9.58–9.60, q2 6.73 →
+//! 8.74–10.97, k8v4 6.65 → 7.85–9.46; Llama-3-8B q4 6.99 → 12.37–12.38, q8 7.29 → 9.18–10.88, q2
+//! 7.16 → 12.88–12.99, k8v4 7.19 → 9.56–10.92.
 //!
 //! Other outputs (bf16) and shapes take the reference path, which is the definition.
 //!
@@ -104,7 +106,6 @@ pub fn dequantize_page_with(
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
-    use std::mem::MaybeUninit;
 
     use crate::attention::avx512::{MAX, MIN, reduce_lanes};
     use crate::attention::avx512_quant::{codes16, params16};
@@ -191,6 +192,59 @@ mod avx512 {
         true
     }
 
+    /// The row whose result [`fold_rows`] leaves in dword `d`, for rows of `row` bytes (see there).
+    const fn fold_row(row: usize, d: usize) -> usize {
+        let (lane, m, s) = (d / 4, (d / 2) % 2, d % 2);
+        if row == 8 { 8 * s + 2 * lane + m } else { 8 * s + 4 * m + lane }
+    }
+
+    /// `vpermd` indices that put [`fold_rows`]'s results in row order: lane `k` takes the dword
+    /// holding row `k`.
+    const fn fold_order(row: usize) -> [u32; 16] {
+        let mut order = [0u32; 16];
+        let mut d = 0;
+        while d < 16 {
+            order[fold_row(row, d)] = d as u32;
+            d += 1;
+        }
+        order
+    }
+
+    /// The smallest (`MAX` false) or largest byte of each of 16 rows of `row` bytes (32, 16 or 8)
+    /// held back to back in the first `16 × row / 64` vectors of `v` (clobbered), as the low byte
+    /// of dword [`fold_order`]`(row)[k]` for row `k`, the other bytes zero. A transposing
+    /// reduction: each operation folds bytes of several rows at once (rows of 32 bytes: pairs of
+    /// vectors to four 16-byte rows per vector; of 16: to two 8-byte rows per 128-bit lane; then
+    /// the two vectors left into one, four bytes per row, and within each dword).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    fn fold_rows<const MAX: bool>(v: &mut [__m512i; 8], row: usize) -> __m512i {
+        let op = |a: __m512i, b: __m512i| if MAX { _mm512_max_epu8(a, b) } else { _mm512_min_epu8(a, b) };
+        if row == 32 {
+            // Vector i: rows 2i, 2i + 1 → rows 4i .. 4i + 4, one per 128-bit lane.
+            for i in 0..4 {
+                let (a, b) = (v[2 * i], v[2 * i + 1]);
+                v[i] = op(_mm512_shuffle_i64x2::<0b10_00_10_00>(a, b), _mm512_shuffle_i64x2::<0b11_01_11_01>(a, b));
+            }
+        }
+        if row >= 16 {
+            // Vector i: rows 8i + L (lane L, qword 0) and 8i + 4 + L (qword 1).
+            for i in 0..2 {
+                let (x, y) = (v[2 * i], v[2 * i + 1]);
+                v[i] = op(_mm512_unpacklo_epi64(x, y), _mm512_unpackhi_epi64(x, y));
+            }
+        }
+        // Each qword one row: fold it to its dwords, then take vector 0's in even dwords and
+        // vector 1's in odd ones.
+        let (z, w) = (v[0], v[1]);
+        let z = op(z, _mm512_shuffle_epi32::<0xb1>(z));
+        let w = op(w, _mm512_shuffle_epi32::<0xb1>(w));
+        let x = _mm512_mask_blend_epi32(0xaaaa, z, w);
+        let x = op(x, _mm512_srli_epi32::<16>(x));
+        let x = op(x, _mm512_srli_epi16::<8>(x));
+        _mm512_and_si512(x, _mm512_set1_epi32(0xff))
+    }
+
     /// Keys and key bounds of head `h` for `KB`-bit codes and `block_tokens` 32, `1 ≤ tokens ≤ 32`,
     /// on [`monotonic_keys`]. A channel's elements: for 4- and 2-bit codes, the `2^KB` values of its
     /// codes rounded once (a table, as for the values) and its 32 codes looked up with one `vpermw`;
@@ -234,15 +288,9 @@ mod avx512 {
         let field = _mm512_set1_epi8(((1u32 << KB) - 1) as i8);
         let largest = field;
         let codes_at = layout.k_codes(h);
-        // Each channel's smallest and largest code land at the start of its row: byte `k × row` of
-        // 16 channels' rows.
-        let mut least = MaybeUninit::<[__m512i; 8]>::uninit();
-        let mut most = MaybeUninit::<[__m512i; 8]>::uninit();
-        let (least, most) = (least.as_mut_ptr().cast::<u8>(), most.as_mut_ptr().cast::<u8>());
-        let starts = _mm512_mullo_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-            _mm512_set1_epi32(row as i32),
-        );
+        let order = fold_order(row);
+        // SAFETY: 16 dwords.
+        let order = unsafe { _mm512_loadu_si512(order.as_ptr().cast()) };
         for c0 in (0..dim).step_by(LANES) {
             // SAFETY: pairs `c0 .. c0 + 16 ≤ dim` of head `h`; code rows `c0 .. c0 + 16` of its K
             // codes (`row` bytes each); K elements `(h, c0 .. c0 + 16, 0..32)` and bound pairs `(h,
@@ -270,6 +318,7 @@ mod avx512 {
                 }
                 // The smallest and largest filled code of each row: unfilled codes count as the
                 // largest code for the smallest and 0 for the largest.
+                let (mut least, mut most) = ([_mm512_setzero_si512(); 8], [_mm512_setzero_si512(); 8]);
                 for q in 0..vectors {
                     let x = _mm512_loadu_si512(src.add(codes_at + c0 * row + 64 * q).cast());
                     let (mut lo, mut hi) = (largest, _mm512_setzero_si512());
@@ -285,31 +334,12 @@ mod avx512 {
                         lo = _mm512_min_epu8(lo, _mm512_mask_blend_epi8(mask, largest, f));
                         hi = _mm512_max_epu8(hi, _mm512_maskz_mov_epi8(mask, f));
                     }
-                    // Down to the first byte of each row.
-                    if row >= 32 {
-                        lo = _mm512_min_epu8(lo, _mm512_shuffle_i64x2::<0b10_11_00_01>(lo, lo));
-                        hi = _mm512_max_epu8(hi, _mm512_shuffle_i64x2::<0b10_11_00_01>(hi, hi));
-                    }
-                    if row >= 16 {
-                        lo = _mm512_min_epu8(lo, _mm512_shuffle_epi32::<0x4e>(lo));
-                        hi = _mm512_max_epu8(hi, _mm512_shuffle_epi32::<0x4e>(hi));
-                    }
-                    lo = _mm512_min_epu8(lo, _mm512_shuffle_epi32::<0xb1>(lo));
-                    hi = _mm512_max_epu8(hi, _mm512_shuffle_epi32::<0xb1>(hi));
-                    lo = _mm512_min_epu8(lo, _mm512_srli_epi32::<16>(lo));
-                    hi = _mm512_max_epu8(hi, _mm512_srli_epi32::<16>(hi));
-                    lo = _mm512_min_epu8(lo, _mm512_srli_epi16::<8>(lo));
-                    hi = _mm512_max_epu8(hi, _mm512_srli_epi16::<8>(hi));
-                    _mm512_storeu_si512(least.add(64 * q).cast(), lo);
-                    _mm512_storeu_si512(most.add(64 * q).cast(), hi);
+                    (least[q], most[q]) = (lo, hi);
                 }
-                // Lane k: channel c0 + k's code (a dword read at the start of its row, low byte).
-                let byte = _mm512_set1_epi32(0xff);
-                let gather = |buffer: *const u8| {
-                    _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_i32gather_epi32::<1>(starts, buffer.cast()), byte))
-                };
-                let lo = _mm512_fmadd_ps(gather(least), scale, min);
-                let hi = _mm512_fmadd_ps(gather(most), scale, min);
+                // Lane k: channel c0 + k's code.
+                let codes = |v: __m512i| _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(order, v));
+                let lo = _mm512_fmadd_ps(codes(fold_rows::<false>(&mut least, row)), scale, min);
+                let hi = _mm512_fmadd_ps(codes(fold_rows::<true>(&mut most, row)), scale, min);
                 let first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
                 let second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
                 let at = dst.add(bounds_at + 4 * (h * dim + c0));
