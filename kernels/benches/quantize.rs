@@ -9,8 +9,8 @@
 //! ≥ 10 G elements/s.
 //!
 //! `cargo bench -p kvmm-kernels --bench quantize` (`KVMM_BENCH_ISA=avx512` for one kernel only,
-//! `KVMM_BENCH_RUNS=200` for the best of more runs than 20, `KVMM_BENCH_TO_PAGE=smollm2/q4` for one
-//! `dequantize_page` figure alone)
+//! `KVMM_BENCH_RUNS=200` for the best of more runs than 20, `KVMM_BENCH_DEQUANTIZE=smollm2/q4` for
+//! that format's two dequantize figures alone)
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -71,23 +71,38 @@ fn main() {
             let mut back = vec![0u8; f16_bytes];
             // `KVMM_BENCH_ISA=avx512` (say) measures one kernel only, e.g. for profiling.
             let only = std::env::var("KVMM_BENCH_ISA").ok();
-            // `KVMM_BENCH_TO_PAGE=smollm2/q4` (say): only the best kernel's `dequantize_page` of that
-            // shape and format, best of 3 s of runs, for A/B comparisons and profiling.
-            if let Ok(target) = std::env::var("KVMM_BENCH_TO_PAGE") {
+            // `KVMM_BENCH_DEQUANTIZE=smollm2/q4` (say): only the best kernel's dequantize of that
+            // shape and format, to f32 rows and to a page, best of 3 s of runs each, for A/B
+            // comparisons and profiling.
+            if let Ok(target) = std::env::var("KVMM_BENCH_DEQUANTIZE") {
                 if target != format!("{name}/{format}") {
                     continue;
                 }
-                let (start, mut best) = (Instant::now(), f64::INFINITY);
-                while start.elapsed().as_secs_f64() < 3.0 {
-                    best = best.min(best_seconds(1, || {
-                        for page in quantized.chunks_exact(bytes) {
-                            dequantize_page(shape, format, black_box(page), BLOCK_TOKENS, Format::F16, &mut back)
-                                .expect("valid page");
-                            black_box(&back);
-                        }
-                    }));
-                }
-                println!("{target}: dequantize_page {:.2} G elements/s", elements / best / 1e9);
+                let best_of_3s = |f: &mut dyn FnMut()| {
+                    let (start, mut best) = (Instant::now(), f64::INFINITY);
+                    while start.elapsed().as_secs_f64() < 3.0 {
+                        best = best.min(best_seconds(1, &mut *f));
+                    }
+                    best
+                };
+                let rows = best_of_3s(&mut || {
+                    for page in quantized.chunks_exact(bytes) {
+                        dequantize(shape, format, black_box(page), BLOCK_TOKENS, &mut k, &mut v).expect("valid page");
+                        black_box((&k, &v));
+                    }
+                });
+                let to_page = best_of_3s(&mut || {
+                    for page in quantized.chunks_exact(bytes) {
+                        dequantize_page(shape, format, black_box(page), BLOCK_TOKENS, Format::F16, &mut back)
+                            .expect("valid page");
+                        black_box(&back);
+                    }
+                });
+                println!(
+                    "{target}: dequantize to f32 rows {:.2}, to a page {:.2} G elements/s",
+                    elements / rows / 1e9,
+                    elements / to_page / 1e9
+                );
                 continue;
             }
             for isa in Isa::available().into_iter().filter(|isa| only.as_deref().is_none_or(|o| o == isa.name())) {
@@ -129,7 +144,7 @@ fn main() {
                 );
             }
         }
-        if std::env::var_os("KVMM_BENCH_TO_PAGE").is_none() {
+        if std::env::var_os("KVMM_BENCH_DEQUANTIZE").is_none() {
             requantize_table(name, shape, &sources);
         }
     }

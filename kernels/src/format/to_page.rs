@@ -23,7 +23,7 @@
 //! filled code, found on the code bytes themselves (byte minima and maxima, folded 16 channels at a
 //! time by a transposing reduction) instead of on every decoded element, and 4- and 2-bit key
 //! channels are decoded by table as the values are. To a page, against the general path (ad70e6e),
-//! both measured in one sitting on 2026-12-02 (`KVMM_BENCH_TO_PAGE=smollm2/q4 cargo bench -p
+//! both measured in one sitting on 2026-12-02 (`KVMM_BENCH_DEQUANTIZE=smollm2/q4 cargo bench -p
 //! kvmm-kernels --bench quantize`, best of 3 s; two runs of the new code, which differ by the
 //! machine's noise): SmolLM2 pages q4 6.21 → 9.27–9.32 G elements/s, q8 6.69 → 9.58–9.60, q2 6.73 →
 //! 8.74–10.97, k8v4 6.65 → 7.85–9.46; Llama-3-8B q4 6.99 → 12.37–12.38, q8 7.29 → 9.18–10.88, q2
