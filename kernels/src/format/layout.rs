@@ -71,6 +71,7 @@ impl PageShape {
         self.kv_heads * self.head_dim * self.block_tokens
     }
 
+    #[inline]
     const fn regions(self, format: Format) -> Regions {
         let (h, d, b) = (self.kv_heads as u64, self.head_dim as u64, self.block_tokens as u64);
         let header = HEADER_BYTES as u64;

@@ -24,10 +24,10 @@
 //! time by a transposing reduction) instead of on every decoded element, and 4- and 2-bit key
 //! channels are decoded by table as the values are. To a page, against the general path (ad70e6e),
 //! both measured in one sitting on 2026-12-02 (`KVMM_BENCH_DEQUANTIZE=smollm2/q4 cargo bench -p
-//! kvmm-kernels --bench quantize`, best of 3 s; two runs of the new code, which differ by the
-//! machine's noise): SmolLM2 pages q4 6.21 → 9.27–9.32 G elements/s, q8 6.69 → 9.58–9.60, q2 6.73 →
-//! 8.74–10.97, k8v4 6.65 → 7.85–9.46; Llama-3-8B q4 6.99 → 12.37–12.38, q8 7.29 → 9.18–10.88, q2
-//! 7.16 → 12.88–12.99, k8v4 7.19 → 9.56–10.92.
+//! kvmm-kernels --bench quantize`, best of 3 s; the new code in two runs, which differ by the
+//! machine's noise): SmolLM2 pages q4 6.21 → 9.70–9.92 G elements/s, q8 6.69 → 10.21, q2 6.73 →
+//! 11.80–11.83, k8v4 6.65 → 10.02–10.05; Llama-3-8B q4 6.99 → 12.51–12.55, q8 7.29 → 11.03–11.06,
+//! q2 7.16 → 12.98–13.06, k8v4 7.19 → 11.19–11.54 (with the page geometry's offsets inlined).
 //!
 //! Other outputs (bf16) and shapes take the reference path, which is the definition.
 //!
