@@ -47,6 +47,13 @@ fn main() {
         "{:<12} {:<12} {:>10} {:>17} {:>22} {:>24}",
         "shape", "format", "kernel", "quantize Gelem/s", "dequantize→f32 Gelem/s", "dequantize→page Gelem/s"
     );
+    // `KVMM_BENCH_ISA=avx512` (say) measures one kernel only, e.g. for profiling.
+    let only = std::env::var("KVMM_BENCH_ISA").ok();
+    // `KVMM_BENCH_RUNS=200` (say): more runs per figure, for a noisy machine.
+    let runs = std::env::var("KVMM_BENCH_RUNS").ok().and_then(|r| r.parse().ok()).unwrap_or(20);
+    // `KVMM_BENCH_DEQUANTIZE=smollm2/q4` (say): only the best kernel's dequantize of that shape and
+    // format, to f32 rows and to a page, best of 3 s of runs each, for A/B comparisons and profiling.
+    let one = std::env::var("KVMM_BENCH_DEQUANTIZE").ok();
     for (name, kv_heads, head_dim) in [("smollm2", 3, 64), ("llama3-8b", 8, 128)] {
         let shape = PageShape { kv_heads, head_dim, block_tokens: BLOCK_TOKENS };
         let row = BLOCK_TOKENS * kv_heads * head_dim;
@@ -61,6 +68,9 @@ fn main() {
         }
         let elements = (PAGES * 2 * row) as f64;
         for format in Format::QUANTIZED {
+            if one.as_ref().is_some_and(|one| *one != format!("{name}/{format}")) {
+                continue;
+            }
             let bytes = shape.page_bytes(format);
             let mut quantized = vec![0u8; PAGES * bytes];
             for (src, dst) in sources.chunks_exact(f16_bytes).zip(quantized.chunks_exact_mut(bytes)) {
@@ -69,15 +79,7 @@ fn main() {
             let mut dst = vec![0u8; bytes];
             let (mut k, mut v) = (vec![0.0f32; row], vec![0.0f32; row]);
             let mut back = vec![0u8; f16_bytes];
-            // `KVMM_BENCH_ISA=avx512` (say) measures one kernel only, e.g. for profiling.
-            let only = std::env::var("KVMM_BENCH_ISA").ok();
-            // `KVMM_BENCH_DEQUANTIZE=smollm2/q4` (say): only the best kernel's dequantize of that
-            // shape and format, to f32 rows and to a page, best of 3 s of runs each, for A/B
-            // comparisons and profiling.
-            if let Ok(target) = std::env::var("KVMM_BENCH_DEQUANTIZE") {
-                if target != format!("{name}/{format}") {
-                    continue;
-                }
+            if let Some(target) = &one {
                 let best_of_3s = |f: &mut dyn FnMut()| {
                     let (start, mut best) = (Instant::now(), f64::INFINITY);
                     while start.elapsed().as_secs_f64() < 3.0 {
@@ -106,12 +108,7 @@ fn main() {
                 continue;
             }
             for isa in Isa::available().into_iter().filter(|isa| only.as_deref().is_none_or(|o| o == isa.name())) {
-                // `KVMM_BENCH_RUNS=200` (say): more runs per figure, for a noisy machine.
-                let runs = match (isa, std::env::var("KVMM_BENCH_RUNS").ok().and_then(|r| r.parse().ok())) {
-                    (Isa::Scalar, _) => 3,
-                    (_, Some(runs)) => runs,
-                    (_, None) => 20,
-                };
+                let runs = if isa == Isa::Scalar { 3 } else { runs };
                 let quantize = best_seconds(runs, || {
                     for src in sources.chunks_exact(f16_bytes) {
                         quantize_with(isa, shape, Format::F16, black_box(src), BLOCK_TOKENS, format, &mut dst)
@@ -144,7 +141,7 @@ fn main() {
                 );
             }
         }
-        if std::env::var_os("KVMM_BENCH_DEQUANTIZE").is_none() {
+        if one.is_none() {
             requantize_table(name, shape, &sources);
         }
     }

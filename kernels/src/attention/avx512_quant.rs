@@ -438,7 +438,7 @@ unsafe fn split_nibbles(src: *const u8) -> (__m512, __m512) {
 /// order): returns (lanes 0..16, lanes 16..32).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-fn interleave(even: __m512, odd: __m512) -> (__m512, __m512) {
+pub(crate) fn interleave(even: __m512, odd: __m512) -> (__m512, __m512) {
     let low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     let high = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     (_mm512_permutex2var_ps(even, low, odd), _mm512_permutex2var_ps(even, high, odd))

@@ -108,7 +108,7 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use crate::attention::avx512::{MAX, MIN, reduce_lanes};
-    use crate::attention::avx512_quant::{codes16, params16};
+    use crate::attention::avx512_quant::{codes16, interleave, params16};
     use crate::format::Format;
     use crate::format::header::PageHeader;
     use crate::format::quant::{QuantLayout, V_GROUP};
@@ -285,16 +285,16 @@ mod avx512 {
                 }
             }
         }
+        // A code's bits, which is also the largest code.
         let field = _mm512_set1_epi8(((1u32 << KB) - 1) as i8);
-        let largest = field;
         let codes_at = layout.k_codes(h);
         let order = fold_order(row);
         // SAFETY: 16 dwords.
         let order = unsafe { _mm512_loadu_si512(order.as_ptr().cast()) };
         for c0 in (0..dim).step_by(LANES) {
             // SAFETY: pairs `c0 .. c0 + 16 ≤ dim` of head `h`; code rows `c0 .. c0 + 16` of its K
-            // codes (`row` bytes each); K elements `(h, c0 .. c0 + 16, 0..32)` and bound pairs `(h,
-            // c0 .. c0 + 16)` of `dst`; `vectors × 64 ≤ 512` bytes of each stack buffer.
+            // codes (`row` bytes each, `vectors` loads of 64 bytes); K elements `(h, c0 .. c0 + 16,
+            // 0..32)` and bound pairs `(h, c0 .. c0 + 16)` of `dst`.
             unsafe {
                 let (scale, min) = params16(src.add(layout.k_param(h, c0)));
                 let (mut scales, mut mins) = ([0.0f32; LANES], [0.0f32; LANES]);
@@ -321,7 +321,7 @@ mod avx512 {
                 let (mut least, mut most) = ([_mm512_setzero_si512(); 8], [_mm512_setzero_si512(); 8]);
                 for q in 0..vectors {
                     let x = _mm512_loadu_si512(src.add(codes_at + c0 * row + 64 * q).cast());
-                    let (mut lo, mut hi) = (largest, _mm512_setzero_si512());
+                    let (mut lo, mut hi) = (field, _mm512_setzero_si512());
                     for (j, &mask) in field_filled.iter().enumerate().take(per_byte) {
                         let f = match j {
                             0 if KB == 8 => x,
@@ -331,7 +331,7 @@ mod avx512 {
                             2 => _mm512_and_si512(_mm512_srli_epi16::<4>(x), field),
                             _ => _mm512_and_si512(_mm512_srli_epi16::<6>(x), field),
                         };
-                        lo = _mm512_min_epu8(lo, _mm512_mask_blend_epi8(mask, largest, f));
+                        lo = _mm512_min_epu8(lo, _mm512_mask_blend_epi8(mask, field, f));
                         hi = _mm512_max_epu8(hi, _mm512_maskz_mov_epi8(mask, f));
                     }
                     (least[q], most[q]) = (lo, hi);
@@ -340,14 +340,11 @@ mod avx512 {
                 let codes = |v: __m512i| _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(order, v));
                 let lo = _mm512_fmadd_ps(codes(fold_rows::<false>(&mut least, row)), scale, min);
                 let hi = _mm512_fmadd_ps(codes(fold_rows::<true>(&mut most, row)), scale, min);
-                let first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-                let second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+                // (min, max) pairs of channels c0 .. c0 + 8, then c0 + 8 .. c0 + 16.
+                let (first, second) = interleave(lo, hi);
                 let at = dst.add(bounds_at + 4 * (h * dim + c0));
-                _mm256_storeu_si256(at.cast(), _mm512_cvtps_ph::<NEAREST>(_mm512_permutex2var_ps(lo, first, hi)));
-                _mm256_storeu_si256(
-                    at.add(32).cast(),
-                    _mm512_cvtps_ph::<NEAREST>(_mm512_permutex2var_ps(lo, second, hi)),
-                );
+                _mm256_storeu_si256(at.cast(), _mm512_cvtps_ph::<NEAREST>(first));
+                _mm256_storeu_si256(at.add(32).cast(), _mm512_cvtps_ph::<NEAREST>(second));
             }
         }
     }
@@ -387,57 +384,59 @@ mod avx512 {
             if by_codes {
                 // SAFETY: as above, and the fast path's conditions were just checked.
                 unsafe { keys_block32::<KB>(layout, s, d, h, tokens) };
-            }
-            // Eight channels at a time, so their bounds are the lanes of one transposing reduction.
-            for c0 in (0..dim).step_by(8).filter(|_| !by_codes) {
-                let (mut lo, mut hi) = ([_mm512_setzero_ps(); 8], [_mm512_setzero_ps(); 8]);
-                for (k, (lo, hi)) in lo.iter_mut().zip(hi.iter_mut()).enumerate() {
-                    let c = c0 + k;
-                    // SAFETY: parameter pair `c < dim` of head `h` and code row `c` (`block × KB / 8`
-                    // bytes, read 16 codes at a time for `16i + 16 ≤ block`) lie in the source's K
-                    // section; K elements `(h, c, 0..block)` in `dst`'s K region.
-                    unsafe {
-                        let pair =
-                            _mm_cvtph_ps(_mm_cvtsi32_si128(s.add(layout.k_param(h, c)).cast::<i32>().read_unaligned()));
-                        let (scale, min) = (_mm512_broadcastss_ps(pair), _mm512_broadcastss_ps(_mm_movehdup_ps(pair)));
-                        let codes = s.add(layout.k_codes(h) + c * k_row);
-                        let out = d.add(k_at + 2 * (h * dim + c) * block);
-                        (*lo, *hi) = (_mm512_set1_ps(f32::INFINITY), _mm512_set1_ps(f32::NEG_INFINITY));
-                        for i in 0..block / LANES {
-                            let x = _mm512_fmadd_ps(codes16::<KB>(codes.add(i * LANES * KB / 8)), scale, min);
-                            let keep = filled(i);
-                            // `min(x, lo)` returns `lo` when `x` is NaN: NaN keys stay out of the bounds.
-                            let x = if keep == !0 {
-                                (*lo, *hi) = (_mm512_min_ps(x, *lo), _mm512_max_ps(x, *hi));
-                                x
-                            } else {
-                                *lo = _mm512_mask_min_ps(*lo, keep, x, *lo);
-                                *hi = _mm512_mask_max_ps(*hi, keep, x, *hi);
-                                _mm512_maskz_mov_ps(keep, x)
-                            };
-                            let bits = _mm512_cvtps_ph::<NEAREST>(x);
-                            _mm256_storeu_si256(out.add(2 * LANES * i).cast(), bits);
+            } else {
+                // Eight channels at a time, so their bounds are the lanes of one transposing reduction.
+                for c0 in (0..dim).step_by(8) {
+                    let (mut lo, mut hi) = ([_mm512_setzero_ps(); 8], [_mm512_setzero_ps(); 8]);
+                    for (k, (lo, hi)) in lo.iter_mut().zip(hi.iter_mut()).enumerate() {
+                        let c = c0 + k;
+                        // SAFETY: parameter pair `c < dim` of head `h` and code row `c` (`block × KB / 8`
+                        // bytes, read 16 codes at a time for `16i + 16 ≤ block`) lie in the source's K
+                        // section; K elements `(h, c, 0..block)` in `dst`'s K region.
+                        unsafe {
+                            let pair = _mm_cvtph_ps(_mm_cvtsi32_si128(
+                                s.add(layout.k_param(h, c)).cast::<i32>().read_unaligned(),
+                            ));
+                            let (scale, min) =
+                                (_mm512_broadcastss_ps(pair), _mm512_broadcastss_ps(_mm_movehdup_ps(pair)));
+                            let codes = s.add(layout.k_codes(h) + c * k_row);
+                            let out = d.add(k_at + 2 * (h * dim + c) * block);
+                            (*lo, *hi) = (_mm512_set1_ps(f32::INFINITY), _mm512_set1_ps(f32::NEG_INFINITY));
+                            for i in 0..block / LANES {
+                                let x = _mm512_fmadd_ps(codes16::<KB>(codes.add(i * LANES * KB / 8)), scale, min);
+                                let keep = filled(i);
+                                // `min(x, lo)` returns `lo` when `x` is NaN: NaN keys stay out of the bounds.
+                                let x = if keep == !0 {
+                                    (*lo, *hi) = (_mm512_min_ps(x, *lo), _mm512_max_ps(x, *hi));
+                                    x
+                                } else {
+                                    *lo = _mm512_mask_min_ps(*lo, keep, x, *lo);
+                                    *hi = _mm512_mask_max_ps(*hi, keep, x, *hi);
+                                    _mm512_maskz_mov_ps(keep, x)
+                                };
+                                let bits = _mm512_cvtps_ph::<NEAREST>(x);
+                                _mm256_storeu_si256(out.add(2 * LANES * i).cast(), bits);
+                            }
                         }
                     }
+                    // Lane k: channel c0 + k (lanes 8.. unused); interleaved (min, max) pairs, rounded.
+                    let (lo, hi) = (reduce_lanes::<MIN>(&lo, 8), reduce_lanes::<MAX>(&hi, 8));
+                    let pairs = _mm512_cvtps_ph::<NEAREST>(_mm512_permutex2var_ps(
+                        lo,
+                        _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23),
+                        hi,
+                    ));
+                    // SAFETY: bound pairs `(h, c0 .. c0 + 8)`, 32 bytes, in `dst`'s bounds region
+                    // (`dim` is a multiple of 16).
+                    unsafe { _mm256_storeu_si256(d.add(bounds_at + 4 * (h * dim + c0)).cast(), pairs) };
                 }
-                // Lane k: channel c0 + k (lanes 8.. unused); interleaved (min, max) pairs, rounded.
-                let (lo, hi) = (reduce_lanes::<MIN>(&lo, 8), reduce_lanes::<MAX>(&hi, 8));
-                let pairs = _mm512_cvtps_ph::<NEAREST>(_mm512_permutex2var_ps(
-                    lo,
-                    _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23),
-                    hi,
-                ));
-                // SAFETY: bound pairs `(h, c0 .. c0 + 8)`, 32 bytes, in `dst`'s bounds region
-                // (`dim` is a multiple of 16).
-                unsafe { _mm256_storeu_si256(d.add(bounds_at + 4 * (h * dim + c0)).cast(), pairs) };
             }
             let v_row = layout.v_row_bytes();
             let groups = dim.div_ceil(V_GROUP);
             for t0 in (0..block).step_by(LANES) {
                 // The parameters of 16 tokens of each group at once (group-major: 64 contiguous
-                // bytes); each token's pair is then a lane broadcast.
-                // Stored as floats, so a token's pair is two broadcasts from memory (load ports)
-                // rather than two lane permutes.
+                // bytes), stored as floats, so a token's pair is two broadcasts from memory (load
+                // ports) rather than two lane permutes.
                 let mut scales = [[0.0f32; LANES]; 256 / V_GROUP];
                 let mut mins = [[0.0f32; LANES]; 256 / V_GROUP];
                 if t0 < tokens {
