@@ -92,8 +92,7 @@ unsafe fn page_in<const BF16: bool>(job: &PageJob<'_>, run: &mut Running<'_>) {
         // SAFETY: `kv < kv_heads`, so both offsets start a head's block inside its region.
         let (k_head, v_head) = unsafe { (k_region.add(kv * head_bytes), v_region.add(kv * head_bytes)) };
         // Prefetch targets (never dereferenced): the next head's blocks, or head 0 of the next page.
-        let ahead =
-            |k: *const u8, v: *const u8| (Prefetch::ahead(k, 2 * head_bytes), Prefetch::ahead(v, 2 * head_bytes));
+        let ahead = |k: *const u8, v: *const u8| (Prefetch::ahead(k), Prefetch::ahead(v));
         let (ahead_k, ahead_v) = if kv + 1 < shape.kv_heads {
             ahead(k_head.wrapping_add(head_bytes), v_head.wrapping_add(head_bytes))
         } else if let Some(next) = job.next {

@@ -16,7 +16,7 @@
 //!    channels (or 8 heads × 32), loaded and rescaled by `alpha` once per page.
 //!
 //! While reading one KV head it prefetches the same offsets of the next (or of head 0 of the next
-//! page, when the caller names it) into L1 or L2 (see `prefetch.rs`), so memory reads overlap the
+//! page, when the caller names it) into L2 (see `prefetch.rs`), so memory reads overlap the
 //! arithmetic.
 //!
 //! Pages of 8 tokens (narrower than a vector) go to the AVX2 kernel, which the required features
@@ -122,8 +122,7 @@ unsafe fn page_in<const BF16: bool>(job: &PageJob<'_>, run: &mut Running<'_>) {
         // SAFETY: `kv < kv_heads`, so both offsets start a head's block inside its region.
         let (k_head, v_head) = unsafe { (k_region.add(kv * head_bytes), v_region.add(kv * head_bytes)) };
         // Prefetch targets (never dereferenced): the next head's blocks, or head 0 of the next page.
-        let ahead =
-            |k: *const u8, v: *const u8| (Prefetch::ahead(k, 2 * head_bytes), Prefetch::ahead(v, 2 * head_bytes));
+        let ahead = |k: *const u8, v: *const u8| (Prefetch::ahead(k), Prefetch::ahead(v));
         let (ahead_k, ahead_v) = if kv + 1 < shape.kv_heads {
             ahead(k_head.wrapping_add(head_bytes), v_head.wrapping_add(head_bytes))
         } else if let Some(next) = job.next {

@@ -121,18 +121,11 @@ impl HeadBytes {
             (k_params, v_params, k_params.add(self.k_params), v_params.add(self.v_params))
         };
         // Prefetch targets (never dereferenced).
-        let into_l1 = self.k + self.v;
         let (ahead_k, ahead_v) = if kv + 1 < job.shape.kv_heads {
-            (
-                Prefetch::ahead(k_params.wrapping_add(self.k), into_l1),
-                Prefetch::ahead(v_params.wrapping_add(self.v), into_l1),
-            )
+            (Prefetch::ahead(k_params.wrapping_add(self.k)), Prefetch::ahead(v_params.wrapping_add(self.v)))
         } else if let Some(next) = job.next {
             let next = next.as_ptr();
-            (
-                Prefetch::ahead(next.wrapping_add(job.k_offset), into_l1),
-                Prefetch::ahead(next.wrapping_add(job.v_offset), into_l1),
-            )
+            (Prefetch::ahead(next.wrapping_add(job.k_offset)), Prefetch::ahead(next.wrapping_add(job.v_offset)))
         } else {
             (Prefetch::none(), Prefetch::none())
         };

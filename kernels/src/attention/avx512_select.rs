@@ -15,6 +15,7 @@ use crate::format::header::HEADER_BYTES;
 
 use super::AttnShape;
 use super::avx512::{MAX_TILE_HEADS, exp16, with_heads};
+use super::prefetch::Prefetch;
 
 const LANES: usize = 16;
 
@@ -30,17 +31,7 @@ const LANES: usize = 16;
 pub(super) unsafe fn bounds(shape: AttnShape, coefficients: &[f32], format: Format, bytes: &[u8], out: &mut [f32]) {
     let (dim, group) = (shape.head_dim, shape.group());
     let bf16 = format == Format::Bf16;
-    // Bytes from one head's pairs to the next: the bounds region (16-bit) or a whole K section
-    // (quantized: parameters and codes), as in `layout.rs` and `QuantLayout`, both after the header.
-    let stride =
-        if format.is_quantized() { 4 * dim + dim * shape.block_tokens * format.k_bits() as usize / 8 } else { 4 * dim };
-    debug_assert_eq!(
-        HEADER_BYTES + stride,
-        match crate::format::quant::QuantLayout::new(shape.page_shape(), format) {
-            Ok(l) => l.k_params(1),
-            Err(_) => shape.page_shape().bound_byte(1, 0),
-        }
-    );
+    let stride = pair_stride(shape, format);
     // Per-head lane sums are collected 16 at a time and reduced together (see `reduce16`).
     let mut lanes = [_mm512_setzero_ps(); LANES];
     let mut held = 0;
@@ -73,6 +64,40 @@ pub(super) unsafe fn bounds(shape: AttnShape, coefficients: &[f32], format: Form
             }
             g0 += heads;
         }
+    }
+}
+
+/// Bytes from one KV head's `4 × head_dim` bytes of pairs to the next, the first starting right
+/// after the header: the bounds region (16-bit pages) or a whole K section (quantized pages:
+/// parameters and codes), as in `layout.rs` and `QuantLayout`.
+fn pair_stride(shape: AttnShape, format: Format) -> usize {
+    let dim = shape.head_dim;
+    let stride =
+        if format.is_quantized() { 4 * dim + dim * shape.block_tokens * format.k_bits() as usize / 8 } else { 4 * dim };
+    debug_assert_eq!(
+        HEADER_BYTES + stride,
+        match crate::format::quant::QuantLayout::new(shape.page_shape(), format) {
+            Ok(l) => l.k_params(1),
+            Err(_) => shape.page_shape().bound_byte(1, 0),
+        }
+    );
+    stride
+}
+
+/// Prefetches into L2 the lines [`bounds`] reads of a page: its header and every KV head's pairs.
+/// Pages are far apart and their pairs a few lines each (a quantized page's heads a K section
+/// apart), so the hardware prefetcher does not find them.
+pub(super) fn prefetch_pairs(shape: AttnShape, format: Format, bytes: &[u8]) {
+    let ahead = Prefetch::ahead(bytes.as_ptr());
+    let (stride, pairs) = (pair_stride(shape, format), 4 * shape.head_dim);
+    if stride == pairs {
+        // 16-bit pages: the header and all heads' pairs are one region.
+        ahead.span(0, HEADER_BYTES + shape.kv_heads * pairs);
+        return;
+    }
+    ahead.span(0, HEADER_BYTES);
+    for kv in 0..shape.kv_heads {
+        ahead.span(HEADER_BYTES + kv * stride, pairs);
     }
 }
 

@@ -153,7 +153,6 @@ unsafe fn page_in<const KB: usize, const VB: usize>(job: &PageJob<'_>, run: &mut
     // sizes computed from the shape the header was checked against).
     let (k_section, v_section) =
         unsafe { (job.bytes.as_ptr().add(job.k_offset), job.bytes.as_ptr().add(job.v_offset)) };
-    let into_l1 = head.k + head.v;
     let mut stage = MaybeUninit::<[__m512i; STAGE_BYTES / 64]>::uninit();
     let stage = stage.as_mut_ptr().cast::<u8>();
     // The i16 query of a tile of up to 8 heads of 256 channels, `dim / 2` dwords per head.
@@ -178,7 +177,7 @@ unsafe fn page_in<const KB: usize, const VB: usize>(job: &PageJob<'_>, run: &mut
         } else {
             (k_params, v_params)
         };
-        let (ahead_k, ahead_v) = (Prefetch::ahead(ahead_k, into_l1), Prefetch::ahead(ahead_v, into_l1));
+        let (ahead_k, ahead_v) = (Prefetch::ahead(ahead_k), Prefetch::ahead(ahead_v));
         ahead_k.span(0, head.k_params);
         ahead_v.span(0, head.v_params);
         let (ahead_k, ahead_v) = (ahead_k.offset(head.k_params), ahead_v.offset(head.v_params));
@@ -235,7 +234,7 @@ unsafe fn page_in<const KB: usize, const VB: usize>(job: &PageJob<'_>, run: &mut
                     } else {
                         stage_rows(codes, head.k_row, dim, tile, stage, pf);
                         // The copy prefetched the rows; the loop's prefetches hit the stage.
-                        (stage.cast_const(), Prefetch::ahead(stage, 0))
+                        (stage.cast_const(), Prefetch::ahead(stage))
                     };
                     let fold = (offsets.as_ptr(), steps.as_ptr());
                     let s = out.add(t);

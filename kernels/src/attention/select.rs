@@ -38,7 +38,7 @@
 //! same).
 
 use crate::error::KernelError;
-use crate::format::header::{HEADER_BYTES, HeaderCheck};
+use crate::format::header::HeaderCheck;
 use crate::format::read::PageReader;
 
 #[cfg(target_arch = "x86_64")]
@@ -51,6 +51,9 @@ pub const RECENT_PAGES: usize = 2;
 /// Pages at the start of the sequence that selection always keeps (the attention sink).
 pub const SINK_PAGES: usize = 1;
 
+/// How many pages ahead [`select_pages`] prefetches the key bounds it reads.
+const SELECT_AHEAD: usize = 2;
+
 /// The query rearranged so a page's score bound is one dot product with the pair region its page
 /// stores per KV head (`head_dim` pairs, contiguous): 16-bit pages store `(lo, hi)`, so
 /// `U = Σ_d min(q_d, 0)·lo_d + max(q_d, 0)·hi_d`; quantized pages store `(scale, min)` with
@@ -58,20 +61,20 @@ pub const SINK_PAGES: usize = 1;
 #[derive(Debug)]
 pub(crate) struct BoundQuery {
     /// `q_heads × 2·head_dim`: `[min(q_d, 0), max(q_d, 0)]` per channel, for 16-bit pages.
-    wide: Vec<f32>,
+    wide: Aligned,
     /// The same for quantized pages with 8-, 4- and 2-bit keys: `[L·max(q_d, 0), q_d]`.
     #[cfg_attr(
         not(target_arch = "x86_64"),
         allow(dead_code, reason = "only the x86-64 kernel reads the pairs directly")
     )]
-    quant: [Vec<f32>; 3],
+    quant: [Aligned; 3],
 }
 
 impl BoundQuery {
     /// Rearranges `q` (`q_heads × head_dim`, checked by the caller).
     pub fn new(q: &[f32]) -> BoundQuery {
-        let wide = q.iter().flat_map(|&x| [x.min(0.0), x.max(0.0)]).collect();
-        let quant = [255.0f32, 15.0, 3.0].map(|levels| q.iter().flat_map(|&x| [levels * x.max(0.0), x]).collect());
+        let wide = Aligned::new(q.iter().flat_map(|&x| [x.min(0.0), x.max(0.0)]));
+        let quant = [255.0f32, 15.0, 3.0].map(|levels| Aligned::new(q.iter().flat_map(|&x| [levels * x.max(0.0), x])));
         BoundQuery { wide, quant }
     }
 
@@ -82,11 +85,34 @@ impl BoundQuery {
     )]
     pub fn coefficients(&self, format: crate::format::Format) -> &[f32] {
         match format.k_bits() {
-            8 => &self.quant[0],
-            4 => &self.quant[1],
-            2 => &self.quant[2],
-            _ => &self.wide,
+            8 => self.quant[0].get(),
+            4 => self.quant[1].get(),
+            2 => self.quant[2].get(),
+            _ => self.wide.get(),
         }
+    }
+}
+
+/// Floats whose first lies on a 64-byte boundary (a cache line), so a kernel's 16-float loads
+/// from its start never straddle two lines.
+#[derive(Debug)]
+struct Aligned {
+    floats: Vec<f32>,
+    start: usize,
+}
+
+impl Aligned {
+    fn new(values: impl Iterator<Item = f32>) -> Aligned {
+        let values: Vec<f32> = values.collect();
+        let mut floats: Vec<f32> = Vec::with_capacity(values.len() + 15);
+        let start = floats.as_ptr().align_offset(64).min(15);
+        floats.resize(start, 0.0);
+        floats.extend(values);
+        Aligned { floats, start }
+    }
+
+    fn get(&self) -> &[f32] {
+        &self.floats[self.start..]
     }
 }
 
@@ -143,7 +169,7 @@ pub(crate) fn bounds_scalar(shape: AttnShape, query: &BoundQuery, page: PageView
         for d in 0..dim {
             let (lo, hi) = reader.key_bounds(kv, d);
             for (qh, u) in out.iter_mut().enumerate().skip(kv * group).take(group) {
-                let (neg, pos) = (query.wide[2 * (qh * dim + d)], query.wide[2 * (qh * dim + d) + 1]);
+                let (neg, pos) = (query.wide.get()[2 * (qh * dim + d)], query.wide.get()[2 * (qh * dim + d) + 1]);
                 *u += neg * lo + pos * hi;
             }
         }
@@ -176,15 +202,20 @@ pub fn select_pages(
     let heads = shape.q_heads;
     let query = BoundQuery::new(q);
     let mut bound = vec![0.0f32; n * heads];
-    let summary = HEADER_BYTES + 4 * shape.kv_heads * shape.head_dim;
-    for (p, ((page, out), size)) in pages.iter().zip(bound.chunks_exact_mut(heads)).zip(sizes).enumerate() {
-        // The header and bounds (or key parameters) of the next page, read after this one: pages are
-        // far apart, so the hardware prefetcher does not see the pattern.
-        #[cfg(target_arch = "x86_64")]
-        if let Some(next) = pages.get(p + 1) {
-            super::prefetch::Prefetch::ahead(next.bytes.as_ptr(), 0).span(0, summary.min(next.bytes.len()));
+    // The lines `bounds` reads of the page `SELECT_AHEAD` ahead are prefetched into L2: a page's
+    // bounds take a few dozen lines, so reading them one page ahead left most of DRAM's latency
+    // exposed.
+    #[cfg(target_arch = "x86_64")]
+    let prefetch = |p: usize| {
+        if let Some(page) = pages.get(p) {
+            super::avx512_select::prefetch_pairs(shape, page.format, page.bytes);
         }
-        let _ = (p, summary);
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let prefetch = |_: usize| {};
+    (0..SELECT_AHEAD).for_each(prefetch);
+    for (p, ((page, out), size)) in pages.iter().zip(bound.chunks_exact_mut(heads)).zip(sizes).enumerate() {
+        prefetch(p + SELECT_AHEAD);
         bounds(shape, &query, *page, size, out);
     }
     let ranks = rank_pages(&bound, heads, scale);
