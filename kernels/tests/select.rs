@@ -87,6 +87,11 @@ fn sink_and_recent_pages_are_always_kept_and_the_budget_is_respected() {
 /// peaked attention Quest is built for. The heads of a group ask similar questions (the first
 /// head's query plus a little noise), so the hot pages matter to all of them.
 fn peaked(shape: AttnShape, pages: usize, hot: &[usize], seed: u64, format: Format) -> (Paged, Vec<f32>) {
+    peaked_mixed(shape, pages, hot, seed, &[format])
+}
+
+/// [`peaked`] with page `i` in `formats[i % formats.len()]`.
+fn peaked_mixed(shape: AttnShape, pages: usize, hot: &[usize], seed: u64, formats: &[Format]) -> (Paged, Vec<f32>) {
     let mut q = random_query(shape, seed);
     let (dim, group) = (shape.head_dim, shape.group());
     for qh in 0..shape.q_heads {
@@ -106,7 +111,64 @@ fn peaked(shape: AttnShape, pages: usize, hot: &[usize], seed: u64, format: Form
             }
         }
     }
-    (Paged::from_rows(shape, format, &k, &v, seed, Fill::Random), q)
+    (Paged::from_rows_mixed(shape, formats, &k, &v, seed, Fill::Random), q)
+}
+
+/// The documented ranking (`select.rs`) from each page's own bounds, one page at a time: a page's
+/// largest log-share over the query heads; the sink and recent pages kept, then the best others.
+fn select_by_single_page_bounds(
+    shape: AttnShape,
+    q: &[f32],
+    scale: f32,
+    views: &[PageView<'_>],
+    budget: usize,
+) -> Vec<usize> {
+    let heads = shape.q_heads;
+    let bounds: Vec<Vec<f32>> = views
+        .iter()
+        .map(|&view| {
+            let mut b = vec![0.0; heads];
+            page_score_bounds(shape, q, view, &mut b).expect("a valid page");
+            b
+        })
+        .collect();
+    let offset: Vec<f64> = (0..heads)
+        .map(|h| {
+            let best = bounds.iter().map(|b| b[h] as f64).fold(f64::NEG_INFINITY, f64::max);
+            let total: f64 = bounds.iter().map(|b| (scale as f64 * (b[h] as f64 - best)).exp()).sum();
+            scale as f64 * best + total.ln()
+        })
+        .collect();
+    let n = views.len();
+    let rank =
+        |p: usize| (0..heads).map(|h| scale as f64 * bounds[p][h] as f64 - offset[h]).fold(f64::NEG_INFINITY, f64::max);
+    let mut chosen: Vec<usize> = (0..n).filter(|&p| p == 0 || p + RECENT_PAGES >= n).collect();
+    let mut others: Vec<usize> = (1..n - RECENT_PAGES).collect();
+    others.sort_by(|&a, &b| rank(b).total_cmp(&rank(a)));
+    chosen.extend(others.into_iter().take(budget - chosen.len()));
+    chosen.sort_unstable();
+    chosen
+}
+
+#[test]
+fn selection_over_runs_of_mixed_formats_ranks_every_page_by_its_own_bounds() {
+    // Runs of 1 to 6 pages of one format, so the kernel's batches of consecutive same-format pages
+    // break at every position; hot pages at every position of a batch.
+    let shape = AttnShape { q_heads: 8, kv_heads: 2, head_dim: 64, block_tokens: 32 };
+    let runs =
+        [(Format::F16, 5), (Format::Q8, 1), (Format::Q4, 6), (Format::Bf16, 2), (Format::Q2, 3), (Format::K8V4, 4)];
+    let formats: Vec<Format> = runs.iter().cycle().flat_map(|&(f, n)| std::iter::repeat_n(f, n)).take(40).collect();
+    let hot = [3, 6, 9, 13, 16, 22, 27, 30];
+    let (paged, q) = peaked_mixed(shape, 40, &hot, 5, &formats);
+    let views = paged.views();
+    for budget in [6, 10, 16, 25] {
+        let chosen = select_pages(shape, &q, 0.125, &views, budget).unwrap();
+        assert_eq!(chosen, select_by_single_page_bounds(shape, &q, 0.125, &views, budget), "budget {budget}");
+    }
+    let chosen = select_pages(shape, &q, 0.125, &views, 11).unwrap();
+    for p in hot {
+        assert!(chosen.contains(&p), "hot page {p} ({}) not in {chosen:?}", formats[p]);
+    }
 }
 
 #[test]

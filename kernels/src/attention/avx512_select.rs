@@ -1,12 +1,18 @@
 //! The AVX-512 page-bound kernel of page selection (`select.rs`): a page's score bound for every
-//! query head as one dot product per head.
+//! query head as one dot product per head, for up to `select::BATCH` pages of one format at once.
 //!
 //! Each KV head's `head_dim` bound pairs are contiguous (16-bit pages: `(lo, hi)` in the page's
 //! element type; quantized pages: the key parameters `(scale, min)`), so 8 channels' pairs are 16
 //! consecutive f16 or bf16 values, one load widened to 16 `f32` lanes; the query, rearranged by
 //! `BoundQuery` to match (`[min(q, 0), max(q, 0)]` or `[L·max(q, 0), q]` per channel), is FMA'd with
-//! it per head of the group; the heads' lane sums are reduced 16 at a time by a transposing tree. Memory safety rests on the
-//! page and buffer lengths checked by the caller.
+//! it per head of the group; the heads' lane sums are reduced 16 at a time by a transposing tree.
+//!
+//! **Batches.** The coefficients are `2 × head_dim` floats per query head (32 KiB for Llama-3-8B),
+//! more than L1 keeps beside the pages, and a page needs one FMA per coefficient vector loaded: one
+//! page at a time, the loop waits on L2. Several pages at once load each coefficient vector once
+//! and FMA it into every page's accumulators (tiles of 4 heads × 4 pages, 16 accumulators).
+//!
+//! Memory safety rests on the page and buffer lengths checked by the caller.
 
 use std::arch::x86_64::*;
 
@@ -14,51 +20,89 @@ use crate::format::Format;
 use crate::format::header::HEADER_BYTES;
 
 use super::AttnShape;
-use super::avx512::{MAX_TILE_HEADS, exp16, with_heads};
+use super::avx512::exp16;
 use super::prefetch::Prefetch;
+use super::select::BATCH;
 
 const LANES: usize = 16;
 
-/// Writes `out[qh] = Σ_i coefficients[qh][i] × pairs_kv[i]` over the `2 × head_dim` pair values of
-/// the KV head `kv` of query head `qh`.
+/// Query heads per dot-product tile: `BATCH × TILE_HEADS` accumulators stay in registers.
+const TILE_HEADS: usize = 4;
+
+/// For each page `p` of `pages` (at most [`BATCH`], all of `format`), writes `out[p × q_heads +
+/// qh] = Σ_i coefficients[qh][i] × pairs_kv[i]` over the `2 × head_dim` pair values of the KV head
+/// `kv` of query head `qh`.
 ///
 /// # Safety
 ///
 /// The CPU must support avx512f, avx512bw, avx512vl, avx2, fma and f16c; `shape` passed
-/// `AttnShape::validate`; `bytes` holds at least `page_bytes(format)` bytes; `coefficients` holds
-/// `q_heads × 2 × head_dim` floats and `out` `q_heads`.
+/// `AttnShape::validate`; each page holds at least `page_bytes(format)` bytes; `coefficients` holds
+/// `q_heads × 2 × head_dim` floats and `out` `pages.len() × q_heads`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-pub(super) unsafe fn bounds(shape: AttnShape, coefficients: &[f32], format: Format, bytes: &[u8], out: &mut [f32]) {
-    let (dim, group) = (shape.head_dim, shape.group());
+pub(super) unsafe fn bounds(shape: AttnShape, coefficients: &[f32], format: Format, pages: &[&[u8]], out: &mut [f32]) {
+    // SAFETY: the caller's contract, for as many pages as given.
+    unsafe {
+        match pages.len() {
+            1 => bounds_in::<1>(shape, coefficients, format, pages, out),
+            2 => bounds_in::<2>(shape, coefficients, format, pages, out),
+            3 => bounds_in::<3>(shape, coefficients, format, pages, out),
+            _ => bounds_in::<BATCH>(shape, coefficients, format, pages, out),
+        }
+    }
+}
+
+/// [`bounds`] for `P` pages (`pages.len() == P`).
+///
+/// # Safety
+///
+/// As for [`bounds`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn bounds_in<const P: usize>(
+    shape: AttnShape,
+    coefficients: &[f32],
+    format: Format,
+    pages: &[&[u8]],
+    out: &mut [f32],
+) {
+    assert_eq!(pages.len(), P);
+    let (dim, group, heads_total) = (shape.head_dim, shape.group(), shape.q_heads);
     let bf16 = format == Format::Bf16;
     let stride = pair_stride(shape, format);
-    // Per-head lane sums are collected 16 at a time and reduced together (see `reduce16`).
-    let mut lanes = [_mm512_setzero_ps(); LANES];
+    // Per page, per-head lane sums are collected 16 at a time and reduced together (see `reduce16`).
+    let mut lanes = [[_mm512_setzero_ps(); LANES]; P];
     let mut held = 0;
     let mut first_held = 0;
     for kv in 0..shape.kv_heads {
         let at = HEADER_BYTES + kv * stride;
         // SAFETY: `4 × head_dim` bytes of this head's pairs lie inside the bounds region or the key
-        // parameters of the page.
-        let pairs = unsafe { bytes.as_ptr().add(at) };
+        // parameters of each page.
+        let pairs: [*const u8; P] = std::array::from_fn(|p| unsafe { pages[p].as_ptr().add(at) });
         let mut g0 = 0;
         while g0 < group {
-            let heads = (group - g0).min(MAX_TILE_HEADS).min(LANES - held);
+            let heads = (group - g0).min(TILE_HEADS).min(LANES - held);
             let first = kv * group + g0;
-            // SAFETY: `2 × dim` pair values; rows `first..first + heads ≤ q_heads` of the
-            // coefficients, `2 × dim` floats each; `held + heads ≤ 16` vectors of `lanes`.
+            // SAFETY: `2 × dim` pair values of each page; rows `first..first + heads ≤ q_heads` of
+            // the coefficients, `2 × dim` floats each; `held + heads ≤ 16` vectors of each page's
+            // `lanes`.
             unsafe {
                 let c = coefficients.as_ptr().add(first * 2 * dim);
-                let to = lanes.as_mut_ptr().add(held);
-                with_heads!(heads, G => dot::<G>(pairs, bf16, 2 * dim, c, to));
+                match heads {
+                    1 => dot::<1, P>(&pairs, bf16, 2 * dim, c, &mut lanes, held),
+                    2 => dot::<2, P>(&pairs, bf16, 2 * dim, c, &mut lanes, held),
+                    3 => dot::<3, P>(&pairs, bf16, 2 * dim, c, &mut lanes, held),
+                    _ => dot::<TILE_HEADS, P>(&pairs, bf16, 2 * dim, c, &mut lanes, held),
+                }
             }
             held += heads;
-            if held == LANES || first + heads == shape.q_heads {
-                let sums = reduce16(&lanes);
+            if held == LANES || first + heads == heads_total {
                 let keep = ((1u32 << held) - 1) as __mmask16;
-                // SAFETY: `held` floats of `out` from `first_held`, the heads just summed.
-                unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(first_held), keep, sums) };
-                lanes = [_mm512_setzero_ps(); LANES];
+                for (p, lanes) in lanes.iter_mut().enumerate() {
+                    let sums = reduce16(lanes);
+                    // SAFETY: `held` floats of page `p`'s row of `out` from `first_held`, the heads
+                    // just summed.
+                    unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(p * heads_total + first_held), keep, sums) };
+                    *lanes = [_mm512_setzero_ps(); LANES];
+                }
                 first_held += held;
                 held = 0;
             }
@@ -181,34 +225,46 @@ fn reduce16(v: &[__m512; LANES]) -> __m512 {
     _mm512_add_ps(even(c0, c1), odd(c0, c1))
 }
 
-/// `out[g]` = lane sums of `Σ_{i < n} c[g × n + i] × x_i` for `G` rows (reduce the lanes for the
-/// dot products), with `x` the `n` 16-bit values at `pairs` (f16, or bf16 when `bf16`).
+/// For each page `p`, `out[p][at + g]` = lane sums of `Σ_{i < n} c[g × n + i] × x_{p,i}` for `G`
+/// rows (reduce the lanes for the dot products), with `x_p` the `n` 16-bit values at `pairs[p]`
+/// (f16, or bf16 when `bf16`). Each coefficient vector is loaded once for the `P` pages.
 ///
 /// # Safety
 ///
-/// `pairs` readable for `2 × n` bytes, `c` for `G × n` floats, `out` writable for `G` vectors;
-/// `n` a multiple of 16.
+/// Each `pairs[p]` readable for `2 × n` bytes, `c` for `G × n` floats; `at + G ≤ 16`; `n` a
+/// multiple of 16.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn dot<const G: usize>(pairs: *const u8, bf16: bool, n: usize, c: *const f32, out: *mut __m512) {
-    let mut sums = [_mm512_setzero_ps(); G];
+unsafe fn dot<const G: usize, const P: usize>(
+    pairs: &[*const u8; P],
+    bf16: bool,
+    n: usize,
+    c: *const f32,
+    out: &mut [[__m512; LANES]; P],
+    at: usize,
+) {
+    let mut sums = [[_mm512_setzero_ps(); G]; P];
     for i in (0..n).step_by(LANES) {
-        // SAFETY: values `i..i + 16 ≤ n` and the same floats of each coefficient row.
+        // SAFETY: values `i..i + 16 ≤ n` of each page and the same floats of each coefficient row.
         unsafe {
-            let raw = _mm256_loadu_si256(pairs.add(2 * i).cast());
-            let x = if bf16 {
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
-            } else {
-                _mm512_cvtph_ps(raw)
-            };
-            for (g, sum) in sums.iter_mut().enumerate() {
-                *sum = _mm512_fmadd_ps(_mm512_loadu_ps(c.add(g * n + i)), x, *sum);
+            let x: [__m512; P] = std::array::from_fn(|p| {
+                let raw = _mm256_loadu_si256(pairs[p].add(2 * i).cast());
+                if bf16 {
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
+                } else {
+                    _mm512_cvtph_ps(raw)
+                }
+            });
+            for g in 0..G {
+                let coefficient = _mm512_loadu_ps(c.add(g * n + i));
+                for (sums, x) in sums.iter_mut().zip(&x) {
+                    sums[g] = _mm512_fmadd_ps(coefficient, *x, sums[g]);
+                }
             }
         }
     }
-    for (g, sum) in sums.iter().enumerate() {
-        // SAFETY: `g < G` vectors of `out`.
-        unsafe { *out.add(g) = *sum };
+    for (out, sums) in out.iter_mut().zip(&sums) {
+        out[at..at + G].copy_from_slice(sums);
     }
 }
 
