@@ -19,7 +19,8 @@
 //!
 //! `cargo bench -p kvmm-kernels --bench decode_attention` (with `KVMM_BENCH_SUMMARY_ONLY=1`, only the
 //! table; `KVMM_BENCH_CONTEXTS=131072` for other contexts; `KVMM_BENCH_PROFILE_ATTEND=smollm2/ctx4096/q4`
-//! to run one case's attention alone for a profiler).
+//! to run one case's attention alone for a profiler, `KVMM_BENCH_PROFILE_SELECT=llama3-8b/ctx32768/f16`
+//! its page selection alone; both print the best call).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
