@@ -15,6 +15,7 @@
 //! Memory safety rests on the page and buffer lengths checked by the caller.
 
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 use crate::format::Format;
 use crate::format::header::HEADER_BYTES;
@@ -69,7 +70,8 @@ unsafe fn bounds_in<const P: usize>(
     let bf16 = format == Format::Bf16;
     let stride = pair_stride(shape, format);
     // Per page, per-head lane sums are collected 16 at a time and reduced together (see `reduce16`).
-    let mut lanes = [[_mm512_setzero_ps(); LANES]; P];
+    // Left unwritten until used (zeroing them took a tenth of SmolLM2's selection).
+    let mut lanes = [[MaybeUninit::<__m512>::uninit(); LANES]; P];
     let mut held = 0;
     let mut first_held = 0;
     for kv in 0..shape.kv_heads {
@@ -97,11 +99,16 @@ unsafe fn bounds_in<const P: usize>(
             if held == LANES || first + heads == heads_total {
                 let keep = ((1u32 << held) - 1) as __mmask16;
                 for (p, lanes) in lanes.iter_mut().enumerate() {
-                    let sums = reduce16(lanes);
+                    for lane in &mut lanes[held..] {
+                        lane.write(_mm512_setzero_ps());
+                    }
+                    // SAFETY: vectors `0..held` were written by the `dot` calls since the last
+                    // reduction (`held` counts what they wrote) and the others just above, so all 16
+                    // are initialized; `MaybeUninit<T>` has `T`'s layout.
+                    let sums = reduce16(unsafe { &*lanes.as_ptr().cast::<[__m512; LANES]>() });
                     // SAFETY: `held` floats of page `p`'s row of `out` from `first_held`, the heads
                     // just summed.
                     unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(p * heads_total + first_held), keep, sums) };
-                    *lanes = [_mm512_setzero_ps(); LANES];
                 }
                 first_held += held;
                 held = 0;
@@ -225,7 +232,7 @@ fn reduce16(v: &[__m512; LANES]) -> __m512 {
     _mm512_add_ps(even(c0, c1), odd(c0, c1))
 }
 
-/// For each page `p`, `out[p][at + g]` = lane sums of `Σ_{i < n} c[g × n + i] × x_{p,i}` for `G`
+/// For each page `p`, writes `out[p][at + g]` = lane sums of `Σ_{i < n} c[g × n + i] × x_{p,i}` for `G`
 /// rows (reduce the lanes for the dot products), with `x_p` the `n` 16-bit values at `pairs[p]`
 /// (f16, or bf16 when `bf16`). Each coefficient vector is loaded once for the `P` pages.
 ///
@@ -240,7 +247,7 @@ unsafe fn dot<const G: usize, const P: usize>(
     bf16: bool,
     n: usize,
     c: *const f32,
-    out: &mut [[__m512; LANES]; P],
+    out: &mut [[MaybeUninit<__m512>; LANES]; P],
     at: usize,
 ) {
     let mut sums = [[_mm512_setzero_ps(); G]; P];
@@ -264,7 +271,9 @@ unsafe fn dot<const G: usize, const P: usize>(
         }
     }
     for (out, sums) in out.iter_mut().zip(&sums) {
-        out[at..at + G].copy_from_slice(sums);
+        for (out, sum) in out[at..at + G].iter_mut().zip(sums) {
+            out.write(*sum);
+        }
     }
 }
 
