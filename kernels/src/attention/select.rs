@@ -184,12 +184,13 @@ pub(crate) fn bounds(shape: AttnShape, query: &BoundQuery, pages: &[PageView<'_>
 pub(crate) fn bounds_scalar(shape: AttnShape, query: &BoundQuery, page: PageView<'_>, out: &mut [f32]) {
     let reader = PageReader::new(shape.page_shape(), page.format, page.bytes);
     let (dim, group) = (shape.head_dim, shape.group());
+    let wide = query.wide();
     out.fill(0.0);
     for kv in 0..shape.kv_heads {
         for d in 0..dim {
             let (lo, hi) = reader.key_bounds(kv, d);
             for (qh, u) in out.iter_mut().enumerate().skip(kv * group).take(group) {
-                let (neg, pos) = (query.wide()[2 * (qh * dim + d)], query.wide()[2 * (qh * dim + d) + 1]);
+                let (neg, pos) = (wide[2 * (qh * dim + d)], wide[2 * (qh * dim + d) + 1]);
                 *u += neg * lo + pos * hi;
             }
         }
@@ -405,10 +406,10 @@ mod tests {
             for seed in 0..BATCH {
                 let k: Vec<f32> =
                     (0..16 * row).map(|i| (((i + 131 * seed) * 7919 % 1000) as f32 - 500.0) / 97.0).collect();
+                let mut f16_page = vec![0u8; layout.page_bytes(Format::F16)];
+                init_page(layout, Format::F16, &mut f16_page).unwrap();
+                write_rows(layout, Format::F16, &mut f16_page, 0, &k, &k).unwrap();
                 for (format, list) in pages.iter_mut() {
-                    let mut f16_page = vec![0u8; layout.page_bytes(Format::F16)];
-                    init_page(layout, Format::F16, &mut f16_page).unwrap();
-                    write_rows(layout, Format::F16, &mut f16_page, 0, &k, &k).unwrap();
                     let mut page = vec![0u8; layout.page_bytes(*format)];
                     if format.is_quantized() {
                         quantize_with(Isa::Scalar, layout, Format::F16, &f16_page, 16, *format, &mut page).unwrap();
