@@ -6,23 +6,29 @@
 //! 16 codes to `f32` and transposes 16 × 16 floats (64 shuffles); here the codes are transposed
 //! while still bytes, which takes a quarter of the shuffles:
 //!
-//! 1. **Unpack.** The tile's 16 code rows (16 tokens each) are copied into a contiguous stack
-//!    buffer when they are not contiguous in the page, then widened to one byte per code: 8-bit
-//!    codes as they are; 4- and 2-bit codes with `vpmultishiftqb` (each output byte an 8-bit window
-//!    of its qword at a chosen bit offset, here the offsets of consecutive codes) and a mask, after
-//!    `vpmovzx` gave each 8 codes their own qword. Each 64-byte vector then holds 4 channels × 16
-//!    tokens, channel-major.
+//! 1. **Unpack.** The tile's 16 code rows (16 tokens each) are loaded into registers, one load of
+//!    their own width per row, and widened to one byte per code: 8-bit codes as they are; 4- and
+//!    2-bit codes with `vpmultishiftqb` (each output byte an 8-bit window of its qword at a chosen
+//!    bit offset, here the offsets of consecutive codes) and a mask, after `vpmovzx` gave each 8
+//!    codes their own qword. Each 64-byte vector then holds 4 channels × 16 tokens, channel-major.
 //! 2. **Transpose.** One `vpermb` per vector makes it token-major (dword `t` = the 4 channels'
 //!    codes of token `t`); a 4 × 4 dword transpose of the 4 vectors of the tile (8 unpacks) leaves
-//!    each token's 16 channel codes in one 128-bit lane.
-//! 3. **Widen.** Per token, a zero-masking `vpermb` of that lane to dwords, `vcvtdq2ps` and one FMA
-//!    with the 16
-//!    channels' `scale` and `min` vectors, which equals the scalar `min + scale × code` (the product
-//!    is exact), then a 64-byte store into the token's row. Everything stays in registers: a wide
-//!    store read back by narrower loads would wait for the store to complete.
+//!    each token's 16 channel codes in one 128-bit lane. The 4 vectors go to a stack buffer, with
+//!    the tile's 16 channel parameters decoded to a `scale` and a `min` vector.
+//! 3. **Widen.** Per token, the tiles of a chunk of KV heads in channel order, which is one run of
+//!    the token's output row: `vpmovzxbd` of the token's 16 bytes from the stack buffer (a load and
+//!    one shuffle), `vcvtdq2ps` and one FMA with the tile's `scale` and `min`, which equals the
+//!    scalar `min + scale × code` (the product is exact), then a 64-byte store. The stack buffers
+//!    are written a whole chunk before they are read, so the 16-byte loads do not wait on the
+//!    64-byte stores.
 //!
 //! Values are token-major already: per 16 tokens of a group the 16 parameter pairs are decoded at
-//! once, and each token's pair is broadcast from its lane (`vpermps`) for the FMA of its codes.
+//! once and stored as floats, and each token's pair is two broadcast loads (load ports, not
+//! shuffles) for the FMA of its codes. Both loops are flat runs over a token's row, with few scalar
+//! operations per 16 elements; with a loop per KV head and per value group inside, the profile
+//! showed most of the time in the loops' bookkeeping (`KVMM_BENCH_DEQUANTIZE=smollm2/q4 cargo bench -p
+//! kvmm-kernels --bench quantize`, 2026-12-02, in one sitting: to f32 rows SmolLM2 q4 8.26 → 11.36,
+//! q8 8.61 → 11.59, Llama-3-8B q4 9.06 → 11.45, q8 9.09 → 11.33 G elements/s).
 //!
 //! Needs `block_tokens` a multiple of 16 (the dispatcher in `quant.rs` checks) and AVX-512 VBMI
 //! besides F/BW/VL (the dispatcher runs it for [`crate::Isa::Avx512Vnni`] only). Memory safety
@@ -99,24 +105,18 @@ unsafe fn dequantize_in<const KB: usize, const VB: usize>(
     let (k_out, v_out) = (k_out.as_mut_ptr(), v_out.as_mut_ptr());
     // SAFETY: a 64-byte table.
     let token_major = unsafe { _mm512_loadu_si512(TOKEN_MAJOR.as_ptr().cast()) };
-    // Zero-extends the 16 bytes of 128-bit lane `m` to 16 dwords.
-    let widen: [__m512i; 4] = std::array::from_fn(|m| {
-        _mm512_add_epi32(
-            _mm512_set1_epi32(16 * m as i32),
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        )
-    });
-    const DWORD_LOW_BYTES: __mmask64 = 0x1111_1111_1111_1111;
     let row = layout.k_row_bytes();
     // The transposed key tiles (4 vectors per 16 channels) and channel parameters of up to
-    // `CHUNK` KV heads, and their value parameters (a pair of vectors per group).
+    // `CHUNK` KV heads, and their value parameters as floats (16 tokens per group, scales then
+    // minimums), read back per token by broadcast loads.
     const CHUNK: usize = 8;
+    const GROUPS: usize = 256 / V_GROUP;
     let per_head = dim / LANES;
     let mut stack = MaybeUninit::<[__m512i; CHUNK * 4 * 256 / LANES]>::uninit();
     let tiles = stack.as_mut_ptr().cast::<__m512i>();
     let mut stack = MaybeUninit::<[__m512; CHUNK * 2 * 256 / LANES]>::uninit();
     let k_params = stack.as_mut_ptr().cast::<__m512>();
-    let mut stack = MaybeUninit::<[__m512; CHUNK * 2 * 256 / V_GROUP]>::uninit();
+    let mut stack = MaybeUninit::<[__m512; CHUNK * 2 * GROUPS]>::uninit();
     let v_params = stack.as_mut_ptr().cast::<__m512>();
     let groups = layout.v_groups();
     // Block by block of 16 tokens and chunk by chunk of KV heads, so each output row is written in
@@ -146,59 +146,53 @@ unsafe fn dequantize_in<const KB: usize, const VB: usize>(
                     }
                 }
                 for g in 0..groups {
-                    // SAFETY: the 16 pairs of tokens `t0..t0 + 16 ≤ block` of group `g < 8` of head
-                    // `h`; stack vectors `2 × (c × 8 + g) + 1 < CHUNK × 16`.
+                    // SAFETY: the 16 pairs of tokens `t0..t0 + 16 ≤ block` of group `g < GROUPS`
+                    // of head `h`; stack vectors `2 × (c × GROUPS + g) + 1 < CHUNK × 2 × GROUPS`.
                     unsafe {
                         let (scale, min) = params16(bytes.add(layout.v_param(h, g, t0)));
-                        *v_params.add(2 * (c * 8 + g)) = scale;
-                        *v_params.add(2 * (c * 8 + g) + 1) = min;
+                        *v_params.add(2 * (c * GROUPS + g)) = scale;
+                        *v_params.add(2 * (c * GROUPS + g) + 1) = min;
                     }
                 }
             }
+            // Keys: the chunk's tiles in channel order are one run of its heads' output row.
+            let run = chunk * per_head;
+            for j in 0..count {
+                let out = ((t0 + j) * heads + h0) * dim;
+                // Token `4m + k` of a tile is 128-bit lane `m` of its transposed vector `k`.
+                let codes = tiles.cast::<u8>().wrapping_add(64 * (j % 4) + 16 * (j / 4));
+                for tile in 0..run {
+                    // SAFETY: the stack bytes and vectors written above (`tile < run`); 16 floats
+                    // of output row `t0 + j < tokens`, channels `16 × tile` on of heads `h0..`.
+                    unsafe {
+                        let codes = _mm_load_si128(codes.add(256 * tile).cast());
+                        let x = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)),
+                            *k_params.add(2 * tile),
+                            *k_params.add(2 * tile + 1),
+                        );
+                        _mm512_storeu_ps(k_out.add(out + LANES * tile), x);
+                    }
+                }
+            }
+            // Values: each token's pair of a group broadcast from the stacked parameters.
+            let pairs = v_params.cast::<f32>();
             for j in 0..count {
                 let t = t0 + j;
                 for c in 0..chunk {
-                    let out = (t * heads + h0 + c) * dim;
+                    let codes = bytes.wrapping_add(layout.v_codes(h0 + c) + t * layout.v_row_bytes());
+                    let out = v_out.wrapping_add((t * heads + h0 + c) * dim);
+                    let pair = pairs.wrapping_add(2 * LANES * c * GROUPS + j);
                     for i in 0..per_head {
-                        let tile = c * per_head + i;
-                        // SAFETY: the stack vectors written above; 16 floats of output row `t <
-                        // tokens`, channels `16i..16i + 16 ≤ dim` of head `h0 + c`.
+                        let g = i * LANES / V_GROUP;
+                        // SAFETY: the stack floats written above (group `g < groups`, lane `j`);
+                        // 16 codes of channels `16i..16i + 16 ≤ dim` of token `t` of head `h0 + c`;
+                        // 16 floats of its output row.
                         unsafe {
-                            // Token `4m + k` is 128-bit lane `m` of transposed vector `k`.
-                            let codes = _mm512_maskz_permutexvar_epi8(
-                                DWORD_LOW_BYTES,
-                                widen[j / 4],
-                                *tiles.add(4 * tile + j % 4),
-                            );
-                            let x = _mm512_fmadd_ps(
-                                _mm512_cvtepi32_ps(codes),
-                                *k_params.add(2 * tile),
-                                *k_params.add(2 * tile + 1),
-                            );
-                            _mm512_storeu_ps(k_out.add(out + LANES * i), x);
-                        }
-                    }
-                }
-            }
-            let lane = |j: usize| _mm512_set1_epi32(j as i32);
-            for j in 0..count {
-                let t = t0 + j;
-                for c in 0..chunk {
-                    let h = h0 + c;
-                    let codes = layout.v_codes(h) + t * layout.v_row_bytes();
-                    for g in 0..groups {
-                        // SAFETY: the stack vectors written above.
-                        let (scale, min) = unsafe {
-                            let at = v_params.add(2 * (c * 8 + g));
-                            (_mm512_permutexvar_ps(lane(j), *at), _mm512_permutexvar_ps(lane(j), *at.add(1)))
-                        };
-                        for ch in (g * V_GROUP..((g + 1) * V_GROUP).min(dim)).step_by(LANES) {
-                            // SAFETY: 16 codes of channels `ch..ch + 16 ≤ dim` of token `t` of head
-                            // `h`; 16 floats of output row `t < tokens`.
-                            unsafe {
-                                let x = _mm512_fmadd_ps(widen16::<VB>(bytes.add(codes + ch * VB / 8)), scale, min);
-                                _mm512_storeu_ps(v_out.add((t * heads + h) * dim + ch), x);
-                            }
+                            let scale = _mm512_set1_ps(*pair.add(2 * LANES * g));
+                            let min = _mm512_set1_ps(*pair.add(2 * LANES * g + LANES));
+                            let x = _mm512_fmadd_ps(widen16::<VB>(codes.add(i * LANES * VB / 8)), scale, min);
+                            _mm512_storeu_ps(out.add(LANES * i), x);
                         }
                     }
                 }
