@@ -1,6 +1,7 @@
 //! Throughput of the AVX-512 instructions the decode kernels are built from, on this CPU: how many
 //! of each retire per nanosecond when nothing else runs (12 independent destinations per loop, so
-//! latency does not limit). The kernels' cost models (how many `vpdpwssd` or FMAs a page takes, and
+//! latency does not limit), and then pairs of one FMA and one other instruction, to see which of
+//! them take the FMA's port. The kernels' cost models (how many `vpdpwssd` or FMAs a page takes, and
 //! which instructions compete for the same port) are judged against these figures.
 //!
 //! `cargo bench -p kvmm-kernels --bench isa_throughput` (x86-64 with AVX-512 VNNI and VBMI; prints a
@@ -62,6 +63,27 @@ mod x86 {
         };
     }
 
+    /// Six FMAs interleaved with six copies of `$op $srcs` (zmm2..zmm7 FMAs, zmm8..zmm13 the other
+    /// instruction): whether the two compete for one port (about 3.7 per ns in all) or not (about 7).
+    macro_rules! with_fma {
+        ($op:literal, $srcs:literal) => {
+            throughput!(
+                "vfmadd231ps zmm2, zmm0, zmm1",
+                concat!($op, " zmm8, ", $srcs),
+                "vfmadd231ps zmm3, zmm0, zmm1",
+                concat!($op, " zmm9, ", $srcs),
+                "vfmadd231ps zmm4, zmm0, zmm1",
+                concat!($op, " zmm10, ", $srcs),
+                "vfmadd231ps zmm5, zmm0, zmm1",
+                concat!($op, " zmm11, ", $srcs),
+                "vfmadd231ps zmm6, zmm0, zmm1",
+                concat!($op, " zmm12, ", $srcs),
+                "vfmadd231ps zmm7, zmm0, zmm1",
+                concat!($op, " zmm13, ", $srcs),
+            )
+        };
+    }
+
     pub fn run() {
         let needed = ["avx512f", "avx512bw", "avx512vnni", "avx512vbmi", "f16c"];
         let detected = [
@@ -84,7 +106,7 @@ mod x86 {
 
     /// One row per instruction: its name and instructions per nanosecond.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,f16c")]
-    unsafe fn measure() -> [(&'static str, f64); 9] {
+    unsafe fn measure() -> [(&'static str, f64); 15] {
         [
             ("vfmadd231ps zmm (f32 FMA, 16 MACs)", twelve!("vfmadd231ps", "zmm0, zmm1")),
             ("vpdpwssd zmm (i16 pairs, 32 MACs)", twelve!("vpdpwssd", "zmm0, zmm1")),
@@ -95,6 +117,12 @@ mod x86 {
             ("vcvtph2ps zmm <- ymm (f16 -> f32)", twelve!("vcvtph2ps", "ymm0")),
             ("vpmovzxbd zmm <- xmm (u8 -> i32)", twelve!("vpmovzxbd", "xmm0")),
             ("vcvtdq2ps zmm (i32 -> f32)", twelve!("vcvtdq2ps", "zmm0")),
+            ("FMA + vpermb, 6 each", with_fma!("vpermb", "zmm0, zmm1")),
+            ("FMA + vpaddd, 6 each", with_fma!("vpaddd", "zmm0, zmm1")),
+            ("FMA + vpmovzxbd, 6 each", with_fma!("vpmovzxbd", "xmm0")),
+            ("FMA + vcvtdq2ps, 6 each", with_fma!("vcvtdq2ps", "zmm0")),
+            ("FMA + vcvtph2ps, 6 each", with_fma!("vcvtph2ps", "ymm0")),
+            ("FMA + vpdpwssd, 6 each", with_fma!("vpdpwssd", "zmm0, zmm1")),
         ]
     }
 }
