@@ -21,6 +21,14 @@
 //! table; `KVMM_BENCH_CONTEXTS=131072` for other contexts; `KVMM_BENCH_PROFILE_ATTEND=smollm2/ctx4096/q4`
 //! to run one case's attention alone for a profiler, `KVMM_BENCH_PROFILE_SELECT=llama3-8b/ctx32768/f16`
 //! its page selection alone; both print the best call).
+//!
+//! `KVMM_BENCH_FROM_DRAM=1`: the summary table with every format's pages read from DRAM, as in a
+//! decode step, which attends layer after layer, so that a layer's K/V has left the caches by the
+//! time its next call comes. Each format's pages are copied until the copies hold at least
+//! [`FROM_DRAM_BYTES`] (three times this machine's 32 MiB last-level cache), and each call reads
+//! the next copy; a figure is the best time of a whole round of calls over the copies, divided by
+//! their number. Without it, a context smaller than the last-level cache (every SmolLM2 case,
+//! Llama-3-8B at 4k) is read from the cache, over and over.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -31,6 +39,9 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 const BLOCK_TOKENS: usize = 32;
+
+/// Under `KVMM_BENCH_FROM_DRAM`, the bytes each format's copies hold at least.
+const FROM_DRAM_BYTES: usize = 96 << 20;
 const CONTEXTS: [usize; 2] = [4096, 32768];
 
 /// The contexts to run: [`CONTEXTS`], or the comma-separated token counts of `KVMM_BENCH_CONTEXTS`
@@ -170,6 +181,13 @@ impl Stored {
         black_box(out);
     }
 
+    /// Copies of these pages that hold at least `total` bytes together (at least one copy), each
+    /// its own allocation.
+    fn replicas(&self, total: usize) -> Vec<Stored> {
+        let n = total.div_ceil(self.bytes()).max(1);
+        (0..n).map(|_| Stored { format: self.format, page_bytes: self.page_bytes, pages: self.pages.clone() }).collect()
+    }
+
     fn views(&self) -> Vec<PageView<'_>> {
         self.pages
             .chunks_exact(self.page_bytes)
@@ -247,6 +265,7 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let benchmarking = args.iter().any(|a| a == "--bench") && !args.iter().any(|a| a == "--profile-time");
     let summary_only = std::env::var_os("KVMM_BENCH_SUMMARY_ONLY").is_some();
+    let from_dram = std::env::var_os("KVMM_BENCH_FROM_DRAM").is_some();
     let contexts = contexts();
     let cases: Vec<Case> = MODELS.iter().flat_map(|m| contexts.iter().map(move |&c| Case::new(m, c))).collect();
     // `KVMM_BENCH_PROFILE_SELECT=<case label>/<format>` (e.g. `llama3-8b/ctx32768/f16`): run only page
@@ -315,6 +334,13 @@ fn main() {
         "single thread, block_tokens {BLOCK_TOKENS}, pages contiguous, next page as prefetch hint; best of n \
          runs; GB = 1e9 bytes; × f16 = tokens/s over the best f16 kernel's, same case, same run"
     );
+    if from_dram {
+        println!(
+            "pages from DRAM: each call reads the next of as many copies as hold {} MiB; a time is a round \
+             over the copies divided by their number",
+            FROM_DRAM_BYTES >> 20
+        );
+    }
     println!(
         "{:<20} {:>6} {:>8} {:>8} {:>15} {:>12} {:>7} {:>10} {:>7}",
         "case", "format", "KV MiB", "kernel", "attention GB/s", "stream GB/s", "ratio", "Mtok/s", "× f16"
@@ -325,15 +351,24 @@ fn main() {
         let mut f16_best = f64::INFINITY;
         for stored in &case.stored {
             let bytes = stored.bytes() as f64;
+            let copies = if from_dram { stored.replicas(FROM_DRAM_BYTES) } else { Vec::new() };
+            let round: Vec<&Stored> = if from_dram { copies.iter().collect() } else { vec![stored] };
+            let per_call = round.len() as f64;
             for isa in stored.isas() {
                 let mut attention = DecodeAttention::with_isa(isa, case.shape, &case.q, case.scale)
                     .expect("shape is valid and isa available");
                 let runs = if isa == Isa::Scalar { 3 } else { 25 };
-                let attend = best_seconds(runs, || stored.attend(case, &mut attention, &mut out, &mut mass));
+                let attend = best_seconds(runs, || {
+                    for copy in &round {
+                        copy.attend(case, &mut attention, &mut out, &mut mass);
+                    }
+                }) / per_call;
                 // Measured right after, so both see the same cache and frequency state.
                 let stream = best_seconds(25, || {
-                    black_box(stream_sum(black_box(&stored.pages)));
-                });
+                    for copy in &round {
+                        black_box(stream_sum(black_box(&copy.pages)));
+                    }
+                }) / per_call;
                 if stored.format == Format::F16 {
                     f16_best = f16_best.min(attend);
                 }
@@ -357,11 +392,22 @@ fn main() {
             let isa = Isa::detect();
             let mut attention = DecodeAttention::with_isa(isa, case.shape, &case.q, case.scale)
                 .expect("shape is valid and isa available");
-            let views = stored.views();
-            let attend = best_seconds(25, || stored.attend_quarter(case, &mut attention, &mut out, &views));
+            let copies = if from_dram { stored.replicas(FROM_DRAM_BYTES) } else { Vec::new() };
+            let round: Vec<&Stored> = if from_dram { copies.iter().collect() } else { vec![stored] };
+            let views: Vec<Vec<PageView<'_>>> = round.iter().map(|copy| copy.views()).collect();
+            let per_call = round.len() as f64;
+            let attend = best_seconds(25, || {
+                for (copy, views) in round.iter().zip(&views) {
+                    copy.attend_quarter(case, &mut attention, &mut out, views);
+                }
+            }) / per_call;
             let select = best_seconds(25, || {
-                black_box(select_pages(case.shape, &case.q, case.scale, &views, views.len() / 4).expect("valid pages"));
-            });
+                for views in &views {
+                    black_box(
+                        select_pages(case.shape, &case.q, case.scale, views, views.len() / 4).expect("valid pages"),
+                    );
+                }
+            }) / per_call;
             let bytes = stored.bytes() as f64;
             println!(
                 "{:<20} {:>6} {:>8.1} {:>8} {:>15.2} {:>12} {:>7} {:>10.2} {:>7.2}",
