@@ -18,9 +18,7 @@
 //! 3. **Widen.** Per token, the tiles of a chunk of KV heads in channel order, which is one run of
 //!    the token's output row: `vpmovzxbd` of the token's 16 bytes from the stack buffer (a load and
 //!    one shuffle), `vcvtdq2ps` and one FMA with the tile's `scale` and `min`, which equals the
-//!    scalar `min + scale × code` (the product is exact), then a 64-byte store. The stack buffers
-//!    are written a whole chunk before they are read, so the 16-byte loads do not wait on the
-//!    64-byte stores.
+//!    scalar `min + scale × code` (the product is exact), then a 64-byte store.
 //!
 //! Values are token-major already: per 16 tokens of a group the 16 parameter pairs are decoded at
 //! once and stored as floats, and each token's pair is two broadcast loads (load ports, not
@@ -162,8 +160,9 @@ unsafe fn dequantize_in<const KB: usize, const VB: usize>(
                 // Token `4m + k` of a tile is 128-bit lane `m` of its transposed vector `k`.
                 let codes = tiles.cast::<u8>().wrapping_add(64 * (j % 4) + 16 * (j / 4));
                 for tile in 0..run {
-                    // SAFETY: the stack bytes and vectors written above (`tile < run`); 16 floats
-                    // of output row `t0 + j < tokens`, channels `16 × tile` on of heads `h0..`.
+                    // SAFETY: the stack bytes and vectors of tile `tile < run` written above; floats
+                    // `16 × tile .. 16 × tile + 16 ≤ chunk × dim` of the run of heads `h0 .. h0 +
+                    // chunk` in output row `t0 + j < tokens`.
                     unsafe {
                         let codes = _mm_load_si128(codes.add(256 * tile).cast());
                         let x = _mm512_fmadd_ps(
