@@ -181,11 +181,17 @@ impl Stored {
         black_box(out);
     }
 
-    /// Copies of these pages that hold at least `total` bytes together (at least one copy), each
-    /// its own allocation.
-    fn replicas(&self, total: usize) -> Vec<Stored> {
-        let n = total.div_ceil(self.bytes()).max(1);
+    /// Under `KVMM_BENCH_FROM_DRAM` (`from_dram`), copies of these pages that hold at least
+    /// [`FROM_DRAM_BYTES`] together, each its own allocation; otherwise none.
+    fn replicas(&self, from_dram: bool) -> Vec<Stored> {
+        let n = if from_dram { FROM_DRAM_BYTES.div_ceil(self.bytes()).max(1) } else { 0 };
         (0..n).map(|_| Stored { format: self.format, page_bytes: self.page_bytes, pages: self.pages.clone() }).collect()
+    }
+
+    /// The pages one round of calls reads, a call each: the `copies` from [`Stored::replicas`], or
+    /// these pages alone when there are none.
+    fn round<'a>(&'a self, copies: &'a [Stored]) -> Vec<&'a Stored> {
+        if copies.is_empty() { vec![self] } else { copies.iter().collect() }
     }
 
     fn views(&self) -> Vec<PageView<'_>> {
@@ -351,8 +357,8 @@ fn main() {
         let mut f16_best = f64::INFINITY;
         for stored in &case.stored {
             let bytes = stored.bytes() as f64;
-            let copies = if from_dram { stored.replicas(FROM_DRAM_BYTES) } else { Vec::new() };
-            let round: Vec<&Stored> = if from_dram { copies.iter().collect() } else { vec![stored] };
+            let copies = stored.replicas(from_dram);
+            let round = stored.round(&copies);
             let per_call = round.len() as f64;
             for isa in stored.isas() {
                 let mut attention = DecodeAttention::with_isa(isa, case.shape, &case.q, case.scale)
@@ -392,8 +398,8 @@ fn main() {
             let isa = Isa::detect();
             let mut attention = DecodeAttention::with_isa(isa, case.shape, &case.q, case.scale)
                 .expect("shape is valid and isa available");
-            let copies = if from_dram { stored.replicas(FROM_DRAM_BYTES) } else { Vec::new() };
-            let round: Vec<&Stored> = if from_dram { copies.iter().collect() } else { vec![stored] };
+            let copies = stored.replicas(from_dram);
+            let round = stored.round(&copies);
             let views: Vec<Vec<PageView<'_>>> = round.iter().map(|copy| copy.views()).collect();
             let per_call = round.len() as f64;
             let attend = best_seconds(25, || {
