@@ -70,10 +70,7 @@ fn main() {
         }
     }
     let id = session.id();
-    let admin = client
-        .block_on(kvmm_client::connect::channel(&dir.path().join("kvmm-admin.sock")))
-        .map(pb::admin_client::AdminClient::new)
-        .unwrap();
+    let admin = support::admin(&client, dir.path());
     let mut rpc = client.rpc();
     println!("| fault ({engine}) | n | p50 µs | p99 µs |");
     println!("|---|---|---|---|");

@@ -14,7 +14,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use kvmm_client::{Client, ElementType, Geometry, proto as pb};
+use kvmm_client::{Client, proto as pb};
 
 const BLOCKS: u32 = 256;
 
@@ -22,19 +22,8 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let daemon = support::start(dir.path(), &["--device-budget", "1200MiB", "--log", "warn"]);
     let client = Client::connect(dir.path().join("kvmm.sock")).unwrap();
-    let admin = client
-        .block_on(kvmm_client::connect::channel(&dir.path().join("kvmm-admin.sock")))
-        .map(pb::admin_client::AdminClient::new)
-        .unwrap();
-    let geometry = Geometry {
-        layers: 32,
-        kv_heads: 8,
-        q_heads: 32,
-        head_dim: 128,
-        block_tokens: 32,
-        element_type: ElementType::F16,
-        max_tokens: BLOCKS * 32,
-    };
+    let admin = support::admin(&client, dir.path());
+    let geometry = support::llama3_8b(BLOCKS * 32);
     let mut rpc = client.rpc();
     let mut times = Vec::new();
     println!("| round | bytes wiped | wipe ms | GiB/s |");

@@ -104,3 +104,64 @@ fn pages_recompressed_under_running_attention_decode_exactly_as_quantized() {
     assert_eq!(status.tiers[0].used_bytes, 0);
     assert!(daemon.stop().success());
 }
+
+/// A long admin `Compress` hands the core lock to other clients' requests between pages, and runs
+/// off the gRPC workers: another client's `SessionStats` calls keep completing while 1,024
+/// Llama-3-8B-shaped pages (135 MB) are re-encoded. Before, the request held the core lock (and a
+/// worker) from its first page to its last, so no call that started after it could finish before
+/// it did.
+#[test]
+fn other_clients_are_served_while_a_large_session_is_recompressed() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use kvmm_client::{Client, ElementType, Geometry};
+
+    let daemon = Daemon::start(&["--device-budget", "256MiB"]);
+    let llama = Geometry {
+        layers: 32,
+        kv_heads: 8,
+        q_heads: 32,
+        head_dim: 128,
+        block_tokens: 32,
+        element_type: ElementType::F16,
+        max_tokens: 32 * 32,
+    };
+    let client = Client::connect(daemon.socket()).unwrap();
+    let mut big = client.attach(llama).unwrap();
+    let row = (llama.kv_heads * llama.head_dim) as usize;
+    let tokens = llama.max_tokens as usize;
+    let k: Vec<f32> = (0..tokens * row).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+    let v: Vec<f32> = (0..tokens * row).map(|i| ((i * 104_729) % 1000) as f32 / 500.0 - 1.0).collect();
+    for layer in 0..llama.layers {
+        big.append(layer, &k, &v).unwrap();
+    }
+    let other = Client::connect(daemon.socket()).unwrap();
+    let probe = other.attach(Geometry { layers: 1, kv_heads: 1, q_heads: 1, head_dim: 64, ..llama }).unwrap();
+
+    let done = AtomicBool::new(false);
+    let (compressed, window, calls) = std::thread::scope(|scope| {
+        let calls = scope.spawn(|| {
+            let mut calls = Vec::new();
+            while !done.load(Ordering::Acquire) {
+                let started = Instant::now();
+                probe.stats().unwrap();
+                calls.push((started, Instant::now()));
+            }
+            calls
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let started = Instant::now();
+        let r = daemon.compress(big.id(), PageFormat::Q8);
+        let ended = Instant::now();
+        done.store(true, Ordering::Release);
+        (r.compressed, (started, ended), calls.join().unwrap())
+    });
+    assert_eq!(compressed, 1024);
+    let (started, ended) = window;
+    let inside = calls.iter().filter(|&&(s, e)| s > started && e < ended).count();
+    println!("compress took {:?}; {inside} of the other client's calls ran inside it", ended - started);
+    assert!(inside >= 3, "only {inside} calls started and ended while Compress ran for {:?}", ended - started);
+    big.detach().unwrap();
+    probe.detach().unwrap();
+    assert!(daemon.stop().success());
+}

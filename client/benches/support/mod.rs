@@ -1,9 +1,13 @@
 //! What the benches that run a real kvmmd share: finding the binary, starting it in a private
-//! runtime directory, and stopping it.
+//! runtime directory, an admin client, Llama-3-8B's KV shape, and stopping it.
+
+#![allow(dead_code, reason = "each bench uses a subset")]
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use kvmm_client::{Client, ElementType, Geometry, proto as pb};
 
 /// kvmmd from `$KVMMD_BIN`, else from the target directory beside the running bench.
 pub fn kvmmd() -> PathBuf {
@@ -42,4 +46,26 @@ pub fn stop(mut daemon: Child) {
     let pid = rustix::process::Pid::from_raw(daemon.id() as i32).expect("a child's pid is positive");
     rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("signal kvmmd");
     assert!(daemon.wait().expect("wait for kvmmd").success());
+}
+
+/// An admin client on the admin socket of the kvmmd running in `dir`.
+pub fn admin(client: &Client, dir: &Path) -> pb::admin_client::AdminClient<tonic::transport::Channel> {
+    client
+        .block_on(kvmm_client::connect::channel(&dir.join("kvmm-admin.sock")))
+        .map(pb::admin_client::AdminClient::new)
+        .expect("connect to the admin socket")
+}
+
+/// Llama-3-8B's KV shape: 32 layers, 8 KV heads of 128 channels (32 query heads), 32-token f16
+/// pages of 135,232 bytes.
+pub fn llama3_8b(max_tokens: u32) -> Geometry {
+    Geometry {
+        layers: 32,
+        kv_heads: 8,
+        q_heads: 32,
+        head_dim: 128,
+        block_tokens: 32,
+        element_type: ElementType::F16,
+        max_tokens,
+    }
 }

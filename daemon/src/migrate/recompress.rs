@@ -12,9 +12,11 @@ use std::ops::Range;
 
 use kvmm_kernels::Format;
 use kvmm_shm::PageLocation;
+use parking_lot::MutexGuard;
 
 use crate::daemon::Core;
 use crate::error::{Error, Result};
+use crate::migrate::LockPacer;
 use crate::migrate::tiering::Scratch;
 use crate::policy::precision::{self, Floors};
 
@@ -50,8 +52,12 @@ fn rank(format: Format) -> u32 {
 
 /// Re-encodes the full pages of `layers × blocks` of a session as `to`, or as the layer's floor in
 /// `floors` where that is more precise (a 16-bit floor keeps every page of its layer as it is).
+///
+/// The core lock is handed to waiting requests between pages ([`LockPacer`]): a page's migration
+/// begins and ends under the lock, so other clients wait for about half a millisecond, not for the
+/// whole request. A session that ends meanwhile ends the request with [`Error::UnknownSession`].
 pub fn recompress(
-    core: &mut Core,
+    core: &mut MutexGuard<'_, Core>,
     session_id: u64,
     layers: Range<u32>,
     blocks: Range<u32>,
@@ -65,8 +71,7 @@ pub fn recompress(
             to.name()
         )));
     }
-    let Core { pool, sessions, .. } = core;
-    let s = sessions.get_mut_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
+    let s = core.sessions.get_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
     let g = s.geometry;
     if layers.is_empty() || layers.end > g.layers {
         return Err(Error::InvalidArgument(format!(
@@ -81,85 +86,102 @@ pub fn recompress(
             blocks.start, blocks.end
         )));
     }
-    let shape = g.page_shape();
-    let uid = s.owner.uid;
     let mut report = RecompressReport::default();
+    let mut pacer = LockPacer::start();
     for layer in layers {
         let floor = floors.of(layer, g.layers);
         for block in blocks.clone() {
-            let Some(page) = s.pages.page(layer, block) else { continue };
-            let Some(frame) = page.frame() else {
-                report.skipped_not_resident += 1;
-                continue;
-            };
-            if rank(page.format) <= rank(to) {
-                report.skipped_already += 1;
-                continue;
-            }
-            let tokens = s.region.entry(layer, block)?.tokens_clamped(g.block_tokens);
-            if tokens < g.block_tokens {
-                report.skipped_not_full += 1;
-                continue;
-            }
-            // Above `to` (checked above), so a target that is not below the page is the floor's doing.
-            let to = precision::raise(to, floor, page.format);
-            if rank(page.format) <= rank(to) {
-                report.skipped_floor += 1;
-                continue;
-            }
-            let new_len = shape.page_bytes(to) as u64;
-            // Everything fallible that does not depend on the page's bytes is looked up before the
-            // page is marked MIGRATING; from `try_begin_migrate` on, every path finishes or aborts.
-            let entry = s.table.entry_writer(layer, block)?;
-            let client = s.region.entry(layer, block)?;
-            let arena = pool.arena(uid).ok_or_else(|| Error::FailedPrecondition(format!("uid {uid} has no arena")))?;
-            let ticket = match entry.try_begin_migrate(client) {
-                Ok(t) => t,
-                Err(_) => {
-                    report.skipped_pinned += 1;
-                    continue;
-                }
-            };
-            let Scratch { src, dst } = scratch;
-            src.resize(frame.len as usize, 0);
-            dst.resize(new_len as usize, 0);
-            let encoded = arena.mapping().read_at(frame.offset as usize, src).map_err(Error::from).and_then(|()| {
-                kvmm_kernels::requantize(shape, g.format(), page.format, src, tokens as usize, to, dst)
-                    .map_err(Error::from)
-            });
-            match encoded {
-                Ok(()) => {}
-                Err(Error::Kernel(e)) => {
-                    entry.abort_migrate(ticket);
-                    tracing::debug!(session = session_id, layer, block, error = %e, "page not recompressed");
-                    report.skipped_invalid += 1;
-                    continue;
-                }
-                Err(e) => {
-                    entry.abort_migrate(ticket);
-                    return Err(e);
-                }
-            }
-            if let Err(e) = arena.mapping().write_at(frame.offset as usize, dst) {
-                // `write_at` checks its range before writing a byte, so the old page is intact.
-                entry.abort_migrate(ticket);
-                return Err(e.into());
-            }
-            entry.finish_migrate(
-                ticket,
-                PageLocation {
-                    offset: frame.offset,
-                    len: new_len as u32,
-                    format: to.as_u8(),
-                    tier: PageLocation::TIER_DEVICE,
-                },
-            );
-            let shrunk = pool.shrink_frame(uid, frame, new_len)?;
-            s.pages.set(layer, block, crate::session::page_table::Place::Device(shrunk), to);
-            report.compressed += 1;
-            report.bytes_before += frame.footprint();
-            report.bytes_after += shrunk.footprint();
+            let page = PageAt { session_id, layer, block, to, floor };
+            recompress_page(core, page, scratch, &mut report)?;
+            pacer.between_pages(core);
         }
     }
     Ok(report)
+}
+
+/// One page of a [`recompress`] request.
+#[derive(Clone, Copy)]
+struct PageAt {
+    session_id: u64,
+    layer: u32,
+    block: u32,
+    /// The request's format.
+    to: Format,
+    /// The layer's floor.
+    floor: Option<Format>,
+}
+
+/// Re-encodes one page if it is full, resident, unpinned and above the target, and counts what
+/// happened in `report`.
+fn recompress_page(core: &mut Core, at: PageAt, scratch: &mut Scratch, report: &mut RecompressReport) -> Result<()> {
+    let PageAt { session_id, layer, block, to, floor } = at;
+    let Core { pool, sessions, .. } = core;
+    let s = sessions.get_mut_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
+    let g = s.geometry;
+    let shape = g.page_shape();
+    let uid = s.owner.uid;
+    let Some(page) = s.pages.page(layer, block) else { return Ok(()) };
+    let Some(frame) = page.frame() else {
+        report.skipped_not_resident += 1;
+        return Ok(());
+    };
+    if rank(page.format) <= rank(to) {
+        report.skipped_already += 1;
+        return Ok(());
+    }
+    let tokens = s.region.entry(layer, block)?.tokens_clamped(g.block_tokens);
+    if tokens < g.block_tokens {
+        report.skipped_not_full += 1;
+        return Ok(());
+    }
+    // Above `to` (checked above), so a target that is not below the page is the floor's doing.
+    let to = precision::raise(to, floor, page.format);
+    if rank(page.format) <= rank(to) {
+        report.skipped_floor += 1;
+        return Ok(());
+    }
+    let new_len = shape.page_bytes(to) as u64;
+    // Everything fallible that does not depend on the page's bytes is looked up before the page is
+    // marked MIGRATING; from `try_begin_migrate` on, every path finishes or aborts.
+    let entry = s.table.entry_writer(layer, block)?;
+    let client = s.region.entry(layer, block)?;
+    let arena = pool.arena(uid).ok_or_else(|| Error::FailedPrecondition(format!("uid {uid} has no arena")))?;
+    let Ok(ticket) = entry.try_begin_migrate(client) else {
+        report.skipped_pinned += 1;
+        return Ok(());
+    };
+    let Scratch { src, dst } = scratch;
+    src.resize(frame.len as usize, 0);
+    dst.resize(new_len as usize, 0);
+    let encoded = arena.mapping().read_at(frame.offset as usize, src).map_err(Error::from).and_then(|()| {
+        kvmm_kernels::requantize(shape, g.format(), page.format, src, tokens as usize, to, dst).map_err(Error::from)
+    });
+    match encoded {
+        Ok(()) => {}
+        Err(Error::Kernel(e)) => {
+            entry.abort_migrate(ticket);
+            tracing::debug!(session = session_id, layer, block, error = %e, "page not recompressed");
+            report.skipped_invalid += 1;
+            return Ok(());
+        }
+        Err(e) => {
+            entry.abort_migrate(ticket);
+            return Err(e);
+        }
+    }
+    if let Err(e) = arena.mapping().write_at(frame.offset as usize, dst) {
+        // `write_at` checks its range before writing a byte, so the old page is intact.
+        entry.abort_migrate(ticket);
+        return Err(e.into());
+    }
+    entry.finish_migrate(
+        ticket,
+        PageLocation { offset: frame.offset, len: new_len as u32, format: to.as_u8(), tier: PageLocation::TIER_DEVICE },
+    );
+    let shrunk = pool.shrink_frame(uid, frame, new_len)?;
+    s.pages.set(layer, block, crate::session::page_table::Place::Device(shrunk), to);
+    report.compressed += 1;
+    report.bytes_before += frame.footprint();
+    report.bytes_after += shrunk.footprint();
+    Ok(())
 }

@@ -51,6 +51,7 @@ use zeroize::{Zeroize, Zeroizing};
 use crate::daemon::Core;
 use crate::error::{Error, Result};
 use crate::metrics::{FlashOp, Metrics};
+use crate::migrate::LockPacer;
 use crate::policy::precision::{self, Demotion, Ranking};
 use crate::pool::Frame;
 use crate::session::page_table::Place;
@@ -387,87 +388,111 @@ fn step_down_in_dram(
 
 /// Moves `pages` from the device to the DRAM pool (module doc), each in the format `demotion`
 /// gives it; returns how many moved. Stops at the first page the pool has no room for.
-pub fn demote_to_dram(core: &mut Core, demotion: &Demotion, pages: &[PageRef], scratch: &mut Scratch) -> Result<u32> {
-    let Core { pool, sessions, dram, tier_counters, metrics, outbound, .. } = core;
-    let Some(dram) = dram.as_mut() else { return Ok(0) };
+///
+/// The core lock is handed to waiting requests between pages ([`LockPacer`]): each page's move
+/// begins and ends under the lock, so other requests wait for about half a millisecond, not for
+/// the whole batch (a watermark drain may demote hundreds of megabytes in one call).
+pub fn demote_to_dram(
+    core: &mut MutexGuard<'_, Core>,
+    demotion: &Demotion,
+    pages: &[PageRef],
+    scratch: &mut Scratch,
+) -> Result<u32> {
     let mut moved = 0;
     let mut plans: HashMap<(u64, u32), LayerPlan> = HashMap::new();
+    let mut pacer = LockPacer::start();
     for &r in pages {
-        let Some(s) = sessions.get_mut_unchecked(r.session) else { continue };
-        if s.pages.page(r.layer, r.block).and_then(|p| p.frame()).is_none() {
-            continue;
+        match demote_page(core, demotion, r, &mut plans, scratch)? {
+            Demoted::Moved => moved += 1,
+            Demoted::Skipped => {}
+            Demoted::NoRoom => break,
         }
-        let plan = match plans.entry((r.session, r.layer)) {
-            Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => e.insert(plan_layer(s, r.session, r.layer, demotion, dram, outbound, scratch)),
-        };
-        let Some(page) = s.pages.page(r.layer, r.block) else { continue };
-        let Some(frame) = page.frame() else { continue };
-        let g = s.geometry;
-        let shape = g.page_shape();
-        let tokens = s.region.entry(r.layer, r.block)?.tokens_clamped(g.block_tokens);
-        let candidate = plan.candidate(r.block, tokens, g.block_tokens);
-        let allocated = plan.allocated.get(&r.block).copied();
-        let target =
-            precision::target_format(page.format, candidate, allocated, demotion.format, plan.floor, demotion.by_age());
-        let entry = s.table.entry_writer(r.layer, r.block)?;
-        let client = s.region.entry(r.layer, r.block)?;
-        let uid = s.owner.uid;
-        let arena = pool.arena(uid).ok_or_else(|| Error::FailedPrecondition(format!("uid {uid} has no arena")))?;
-        let ticket = match entry.try_begin_migrate(client) {
-            Ok(t) => t,
-            Err(_) => {
-                tier_counters.skipped_pinned += 1;
-                continue;
+        pacer.between_pages(core);
+    }
+    Ok(moved)
+}
+
+/// What [`demote_page`] did with one page.
+enum Demoted {
+    Moved,
+    /// Not on the device any more, or pinned.
+    Skipped,
+    /// The DRAM pool is full (or absent): the page stays.
+    NoRoom,
+}
+
+/// One page of [`demote_to_dram`]; `plans` caches each layer's plan across the call's pages.
+fn demote_page(
+    core: &mut Core,
+    demotion: &Demotion,
+    r: PageRef,
+    plans: &mut HashMap<(u64, u32), LayerPlan>,
+    scratch: &mut Scratch,
+) -> Result<Demoted> {
+    let Core { pool, sessions, dram, tier_counters, metrics, outbound, .. } = core;
+    let Some(dram) = dram.as_mut() else { return Ok(Demoted::NoRoom) };
+    let Some(s) = sessions.get_mut_unchecked(r.session) else { return Ok(Demoted::Skipped) };
+    let Some(page) = s.pages.page(r.layer, r.block) else { return Ok(Demoted::Skipped) };
+    let Some(frame) = page.frame() else { return Ok(Demoted::Skipped) };
+    let plan = match plans.entry((r.session, r.layer)) {
+        Entry::Occupied(e) => e.into_mut(),
+        Entry::Vacant(e) => e.insert(plan_layer(s, r.session, r.layer, demotion, dram, outbound, scratch)),
+    };
+    let g = s.geometry;
+    let shape = g.page_shape();
+    let tokens = s.region.entry(r.layer, r.block)?.tokens_clamped(g.block_tokens);
+    let candidate = plan.candidate(r.block, tokens, g.block_tokens);
+    let allocated = plan.allocated.get(&r.block).copied();
+    let target =
+        precision::target_format(page.format, candidate, allocated, demotion.format, plan.floor, demotion.by_age());
+    let entry = s.table.entry_writer(r.layer, r.block)?;
+    let client = s.region.entry(r.layer, r.block)?;
+    let uid = s.owner.uid;
+    let arena = pool.arena(uid).ok_or_else(|| Error::FailedPrecondition(format!("uid {uid} has no arena")))?;
+    let Ok(ticket) = entry.try_begin_migrate(client) else {
+        tier_counters.skipped_pinned += 1;
+        return Ok(Demoted::Skipped);
+    };
+    // From here every path finishes or aborts the migration.
+    let Scratch { src, dst } = scratch;
+    src.resize(frame.len as usize, 0);
+    if let Err(e) = arena.mapping().read_at(frame.offset as usize, src) {
+        entry.abort_migrate(ticket);
+        return Err(e.into());
+    }
+    let (bytes, format): (&[u8], Format) = if target == page.format {
+        (src, page.format)
+    } else {
+        dst.resize(shape.page_bytes(target), 0);
+        match kvmm_kernels::requantize(shape, g.format(), page.format, src, tokens as usize, target, dst) {
+            Ok(()) => {
+                if metrics.sample_quantization() {
+                    metrics.observe_quantization(shape, (page.format, &src[..]), (target, &dst[..]), tokens as usize);
+                }
+                (dst, target)
             }
-        };
-        // From here every path finishes or aborts the migration.
-        let Scratch { src, dst } = scratch;
-        src.resize(frame.len as usize, 0);
-        if let Err(e) = arena.mapping().read_at(frame.offset as usize, src) {
+            // Bytes the quantizer refuses (NaN written by the client) travel as they are.
+            Err(_) => (src, page.format),
+        }
+    };
+    let stored = dram.put(&[PageWrite { key: s.key.as_deref(), page: r.id(), bytes }]).remove(0);
+    let slot = match stored {
+        Ok(slot) => slot,
+        Err(TierError::Full { .. }) => {
+            entry.abort_migrate(ticket);
+            return Ok(Demoted::NoRoom);
+        }
+        Err(e) => {
             entry.abort_migrate(ticket);
             return Err(e.into());
         }
-        let (bytes, format): (&[u8], Format) = if target == page.format {
-            (src, page.format)
-        } else {
-            dst.resize(shape.page_bytes(target), 0);
-            match kvmm_kernels::requantize(shape, g.format(), page.format, src, tokens as usize, target, dst) {
-                Ok(()) => {
-                    if metrics.sample_quantization() {
-                        metrics.observe_quantization(
-                            shape,
-                            (page.format, &src[..]),
-                            (target, &dst[..]),
-                            tokens as usize,
-                        );
-                    }
-                    (dst, target)
-                }
-                // Bytes the quantizer refuses (NaN written by the client) travel as they are.
-                Err(_) => (src, page.format),
-            }
-        };
-        let stored = dram.put(&[PageWrite { key: s.key.as_deref(), page: r.id(), bytes }]).remove(0);
-        let slot = match stored {
-            Ok(slot) => slot,
-            Err(TierError::Full { .. }) => {
-                entry.abort_migrate(ticket);
-                break;
-            }
-            Err(e) => {
-                entry.abort_migrate(ticket);
-                return Err(e.into());
-            }
-        };
-        crate::failpoint::hit("dram-after-store");
-        entry.finish_evict(ticket);
-        s.pages.set(r.layer, r.block, Place::Dram(slot), format);
-        pool.free_frame(uid, frame)?;
-        tier_counters.demoted_to_dram += 1;
-        moved += 1;
-    }
-    Ok(moved)
+    };
+    crate::failpoint::hit("dram-after-store");
+    entry.finish_evict(ticket);
+    s.pages.set(r.layer, r.block, Place::Dram(slot), format);
+    pool.free_frame(uid, frame)?;
+    tier_counters.demoted_to_dram += 1;
+    Ok(Demoted::Moved)
 }
 
 /// A page on its way from DRAM to flash.
@@ -483,39 +508,56 @@ pub struct Outbound {
 
 /// DRAM → flash, phase 1 (core lock): copies `pages` out of the pool and marks them outbound.
 /// Pages whose session has no key (no flash tier was configured at attach) stay where they are,
-/// and so do pages another move has taken (already outbound).
-fn take_from_dram(core: &mut Core, pages: &[PageRef]) -> Result<Vec<Outbound>> {
-    let Core { sessions, dram, tier_counters, outbound, .. } = core;
-    let Some(dram) = dram.as_mut() else { return Ok(Vec::new()) };
+/// and so do pages another move has taken (already outbound). The lock is handed to waiting
+/// requests between pages ([`LockPacer`]; a page taken is outbound, so no other move takes it).
+fn take_from_dram(core: &mut MutexGuard<'_, Core>, pages: &[PageRef]) -> Result<Vec<Outbound>> {
+    if core.dram.is_none() {
+        return Ok(Vec::new());
+    }
     let mut out = Vec::with_capacity(pages.len());
+    let mut pacer = LockPacer::start();
     for &r in pages {
-        if outbound.contains(&r) {
-            continue;
-        }
-        let Some(s) = sessions.get_unchecked(r.session) else { continue };
-        let (Some(page), Some(key)) = (s.pages.page(r.layer, r.block), s.key.clone()) else { continue };
-        let Place::Dram(slot) = page.place else { continue };
-        let mut bytes = Zeroizing::new(vec![0u8; slot.len as usize]);
-        let got = dram.get(&mut [PageRead { key: Some(&key), page: r.id(), slot, out: &mut bytes }]).remove(0);
-        match got {
-            Ok(()) => {
-                outbound.insert(r);
-                out.push(Outbound { page: r, slot, bytes, key });
-            }
-            Err(e) if e.is_data_loss() => {
-                tier_counters.data_loss += 1;
-                tracing::error!(session = r.session, layer = r.layer, block = r.block, error = %e, "DRAM page lost");
-            }
+        let taken = take_page(core, r);
+        match taken {
+            Ok(Some(o)) => out.push(o),
+            Ok(None) => {}
             Err(e) => {
                 // Nothing taken goes anywhere: the pages stay in DRAM, free for any move.
                 for o in &out {
-                    outbound.remove(&o.page);
+                    core.outbound.remove(&o.page);
                 }
-                return Err(e.into());
+                return Err(e);
             }
         }
+        pacer.between_pages(core);
     }
     Ok(out)
+}
+
+/// One page of [`take_from_dram`]: its bytes in the clear, or `None` where it stays.
+fn take_page(core: &mut Core, r: PageRef) -> Result<Option<Outbound>> {
+    let Core { sessions, dram, tier_counters, outbound, .. } = core;
+    let Some(dram) = dram.as_mut() else { return Ok(None) };
+    if outbound.contains(&r) {
+        return Ok(None);
+    }
+    let Some(s) = sessions.get_unchecked(r.session) else { return Ok(None) };
+    let (Some(page), Some(key)) = (s.pages.page(r.layer, r.block), s.key.clone()) else { return Ok(None) };
+    let Place::Dram(slot) = page.place else { return Ok(None) };
+    let mut bytes = Zeroizing::new(vec![0u8; slot.len as usize]);
+    let got = dram.get(&mut [PageRead { key: Some(&key), page: r.id(), slot, out: &mut bytes }]).remove(0);
+    match got {
+        Ok(()) => {
+            outbound.insert(r);
+            Ok(Some(Outbound { page: r, slot, bytes, key }))
+        }
+        Err(e) if e.is_data_loss() => {
+            tier_counters.data_loss += 1;
+            tracing::error!(session = r.session, layer = r.layer, block = r.block, error = %e, "DRAM page lost");
+            Ok(None)
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// DRAM → flash, phase 2 (flash lock only): seals and writes the pages (one timed batch).

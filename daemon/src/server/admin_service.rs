@@ -9,6 +9,7 @@ use kvmm_proto::v1 as pb;
 use tonic::{Request, Response, Status};
 
 use super::conn::ConnInfo;
+use super::off_workers;
 use super::session_service::{caller, geometry_to_pb, priority_to_pb, wipe_to_pb};
 use crate::daemon::{Daemon, SessionInfo, Usage, WipeScope};
 use crate::error::Error;
@@ -74,20 +75,26 @@ impl pb::admin_server::Admin for AdminService {
         let who = caller(&req)?;
         self.authorize(who)?;
         let id = req.into_inner().session_id;
-        Ok(Response::new(wipe_to_pb(self.daemon.wipe(WipeScope::Session(id), who, false)?)))
+        let daemon = self.daemon.clone();
+        let report = off_workers("wipe", move || daemon.wipe(WipeScope::Session(id), who, false)).await??;
+        Ok(Response::new(wipe_to_pb(report)))
     }
 
     async fn wipe_user(&self, req: Request<pb::WipeUserRequest>) -> Result<Response<pb::WipeResponse>, Status> {
         let who = caller(&req)?;
         self.authorize(who)?;
         let uid = req.into_inner().uid;
-        Ok(Response::new(wipe_to_pb(self.daemon.wipe(WipeScope::User(uid), who, false)?)))
+        let daemon = self.daemon.clone();
+        let report = off_workers("wipe", move || daemon.wipe(WipeScope::User(uid), who, false)).await??;
+        Ok(Response::new(wipe_to_pb(report)))
     }
 
     async fn wipe_all(&self, req: Request<pb::WipeAllRequest>) -> Result<Response<pb::WipeResponse>, Status> {
         let who = caller(&req)?;
         self.authorize(who)?;
-        Ok(Response::new(wipe_to_pb(self.daemon.wipe(WipeScope::All, who, false)?)))
+        let daemon = self.daemon.clone();
+        let report = off_workers("wipe", move || daemon.wipe(WipeScope::All, who, false)).await??;
+        Ok(Response::new(wipe_to_pb(report)))
     }
 
     async fn list_sessions(
@@ -126,9 +133,7 @@ impl pb::admin_server::Admin for AdminService {
         self.authorize(caller(&req)?)?;
         let resume = req.into_inner().resume;
         let daemon = self.daemon.clone();
-        let (draining, demoted_pages, left_on_device) = tokio::task::spawn_blocking(move || daemon.drain(resume))
-            .await
-            .map_err(|e| Status::internal(format!("the drain task failed: {e}")))??;
+        let (draining, demoted_pages, left_on_device) = off_workers("drain", move || daemon.drain(resume)).await??;
         Ok(Response::new(pb::DrainResponse { draining, demoted_pages, left_on_device }))
     }
 
@@ -136,21 +141,22 @@ impl pb::admin_server::Admin for AdminService {
         self.authorize(caller(&req)?)?;
         // A scrape takes the core and flash locks briefly (as Status does): off the async workers.
         let daemon = self.daemon.clone();
-        let text = tokio::task::spawn_blocking(move || daemon.metrics.encode(&daemon))
-            .await
-            .map_err(|e| Status::internal(format!("the metrics task failed: {e}")))?;
+        let text = off_workers("metrics", move || daemon.metrics.encode(&daemon)).await?;
         Ok(Response::new(pb::MetricsResponse { text }))
     }
 
     async fn compress(&self, req: Request<pb::CompressRequest>) -> Result<Response<pb::CompressResponse>, Status> {
         self.authorize(caller(&req)?)?;
         let r = req.into_inner();
-        let _span = tracing::debug_span!("Compress", session = r.session_id).entered();
+        let span = tracing::debug_span!("Compress", session = r.session_id);
         let to = format_from_pb(r.format)?;
         let layers = r.first_layer..if r.layers == 0 { u32::MAX } else { r.first_layer.saturating_add(r.layers) };
         let blocks = r.first_block..if r.blocks == 0 { u32::MAX } else { r.first_block.saturating_add(r.blocks) };
         let (layers, blocks) = self.daemon.clamp_ranges(r.session_id, layers, blocks)?;
-        let rep = self.daemon.compress(r.session_id, layers, blocks, to)?;
+        // Re-encoding a large session takes tens of milliseconds or more: off the async workers.
+        let daemon = self.daemon.clone();
+        let rep = off_workers("compress", move || span.in_scope(|| daemon.compress(r.session_id, layers, blocks, to)))
+            .await??;
         Ok(Response::new(pb::CompressResponse {
             compressed: rep.compressed,
             skipped_pinned: rep.skipped_pinned,
@@ -183,9 +189,7 @@ impl pb::admin_server::Admin for AdminService {
         let (layers, blocks) = self.daemon.clamp_ranges(r.session_id, layers, blocks)?;
         let daemon = self.daemon.clone();
         let (demoted, skipped) =
-            tokio::task::spawn_blocking(move || span.in_scope(|| daemon.demote(r.session_id, layers, blocks, to)))
-                .await
-                .map_err(|e| Status::internal(format!("the demote task failed: {e}")))??;
+            off_workers("demote", move || span.in_scope(|| daemon.demote(r.session_id, layers, blocks, to))).await??;
         Ok(Response::new(pb::DemoteResponse { demoted, skipped }))
     }
 

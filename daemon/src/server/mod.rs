@@ -28,6 +28,19 @@ use crate::runtime_dir::{ADMIN_SOCKET, FD_SOCKET, RuntimeDir, SESSION_SOCKET};
 use crate::systemd::{Loop, Notifier};
 use conn::Acceptor;
 
+/// Runs `work`, a daemon operation that can take milliseconds (zeroing or re-encoding many pages,
+/// flash I/O), on Tokio's blocking pool, so that the runtime's two workers keep serving other
+/// connections meanwhile. Run inline, such a request also held up the requests of other
+/// connections queued on its worker: with the core lock already handed over between pages, another
+/// client's `SessionStats` still waited the whole 84–100 ms of an admin `Compress` in two of three
+/// rounds (`cargo bench -p kvmm-client --bench stall`, 2026-12-03).
+pub(crate) async fn off_workers<T: Send + 'static>(
+    what: &str,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> std::result::Result<T, tonic::Status> {
+    tokio::task::spawn_blocking(work).await.map_err(|e| tonic::Status::internal(format!("the {what} task failed: {e}")))
+}
+
 /// How long in-flight RPCs get to finish once shutdown starts.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(3);
 
@@ -214,7 +227,11 @@ pub async fn run(daemon: Arc<Daemon>, mut dir: RuntimeDir, passed: Vec<PassedFd>
         let daemon = daemon.clone();
         tokio::spawn(async move {
             while let Some(conn) = closed_rx.recv().await {
-                daemon.connection_closed(conn);
+                // Destroying a connection's sessions zeroes their frames: off the async workers.
+                let daemon = daemon.clone();
+                if let Err(e) = off_workers("connection cleanup", move || daemon.connection_closed(conn)).await {
+                    tracing::error!(error = %e, "destroying a closed connection's sessions failed");
+                }
             }
         })
     };

@@ -133,15 +133,14 @@ impl pb::session_server::Session for SessionService {
         let span = tracing::info_span!("Extend", session = r.session_id);
         // Extend may demote pages to make room, which can wait on flash I/O: off the async workers.
         let daemon = self.daemon.clone();
-        let (allocated_blocks, device_bytes) = tokio::task::spawn_blocking(move || {
+        let (allocated_blocks, device_bytes) = super::off_workers("extend", move || {
             span.in_scope(|| {
                 daemon.extend(who, r.session_id, r.blocks).inspect_err(|e| {
                     crate::limited!(info, code = ?super::status::code(e.kind()), error = %e, "Extend refused");
                 })
             })
         })
-        .await
-        .map_err(|e| Status::internal(format!("the extend task failed: {e}")))??;
+        .await??;
         Ok(Response::new(pb::ExtendResponse { allocated_blocks, device_bytes }))
     }
 
@@ -163,15 +162,14 @@ impl pb::session_server::Session for SessionService {
         // Promotion reads flash and may demote other pages: off the async workers.
         let daemon = self.daemon.clone();
         let session_id = r.session_id;
-        let out = tokio::task::spawn_blocking(move || {
+        let out = super::off_workers("fault", move || {
             span.in_scope(|| {
                 daemon.fault(who, session_id, &pages).inspect_err(|e| {
                     crate::limited!(info, code = ?super::status::code(e.kind()), error = %e, "Fault failed");
                 })
             })
         })
-        .await
-        .map_err(|e| Status::internal(format!("the fault task failed: {e}")))??;
+        .await??;
         Ok(Response::new(pb::FaultResponse {
             pages: out
                 .into_iter()
@@ -189,16 +187,23 @@ impl pb::session_server::Session for SessionService {
     async fn detach(&self, req: Request<pb::DetachRequest>) -> Result<Response<pb::DetachResponse>, Status> {
         let who = caller(&req)?;
         let session_id = req.into_inner().session_id;
-        let _span = tracing::info_span!("Detach", session = session_id).entered();
-        let bytes_wiped = self.daemon.detach(who, session_id)?;
+        let span = tracing::info_span!("Detach", session = session_id);
+        // Detaching zeroes the session's frames: off the async workers.
+        let daemon = self.daemon.clone();
+        let bytes_wiped =
+            super::off_workers("detach", move || span.in_scope(|| daemon.detach(who, session_id))).await??;
         Ok(Response::new(pb::DetachResponse { bytes_wiped }))
     }
 
     async fn wipe(&self, req: Request<pb::WipeRequest>) -> Result<Response<pb::WipeResponse>, Status> {
         let who = caller(&req)?;
         let session_id = req.into_inner().session_id;
-        let _span = tracing::info_span!("Wipe", session = session_id).entered();
-        let report = self.daemon.wipe(WipeScope::Session(session_id), who, true)?;
+        let span = tracing::info_span!("Wipe", session = session_id);
+        let daemon = self.daemon.clone();
+        let report = super::off_workers("wipe", move || {
+            span.in_scope(|| daemon.wipe(WipeScope::Session(session_id), who, true))
+        })
+        .await??;
         Ok(Response::new(wipe_to_pb(report)))
     }
 
