@@ -6,6 +6,9 @@
 //! It is also the daemon's steady driver of page moves, exercising the pin/migrate protocol in
 //! production rather than only in tests.
 
+use parking_lot::MutexGuard;
+
+use super::LockPacer;
 use super::mover::{MoveOutcome, move_page};
 use crate::daemon::Core;
 use crate::error::Result;
@@ -69,8 +72,11 @@ pub struct PassReport {
     pub skipped: u64,
 }
 
-/// Runs one compaction pass over every arena, at most `max_moves` moves per arena.
-pub fn run_pass(core: &mut Core, max_moves: usize) -> Result<PassReport> {
+/// Runs one compaction pass over every arena, at most `max_moves` moves per arena. The core lock is
+/// handed to waiting requests between moves ([`LockPacer`]), so a move whose page has gone, shrunk
+/// or already sits at or below its planned place meanwhile is skipped.
+pub fn run_pass(core: &mut MutexGuard<'_, Core>, max_moves: usize) -> Result<PassReport> {
+    let mut pacer = LockPacer::start();
     let mut report = PassReport::default();
     let uids: Vec<u32> =
         core.pool.arenas().filter(|(_, a)| a.frames().holes_below_high_water() > 0).map(|(u, _)| u).collect();
@@ -92,6 +98,13 @@ pub fn run_pass(core: &mut Core, max_moves: usize) -> Result<PassReport> {
         let Some(arena) = core.pool.arena(uid) else { continue };
         let holes: Vec<(u64, u64)> = arena.frames().free_extents().collect();
         for m in plan(&pages, &holes, max_moves) {
+            pacer.between_pages(core);
+            let here =
+                core.sessions.get_unchecked(m.page.session).and_then(|s| s.pages.page(m.page.layer, m.page.block));
+            if here.and_then(|p| p.frame()).is_none_or(|f| f.offset <= m.to) {
+                report.skipped += 1;
+                continue;
+            }
             let Some(dst) = core.pool.alloc_move_target(uid, m.page.len, Some(m.to))? else {
                 report.skipped += 1;
                 continue;

@@ -54,7 +54,7 @@ fn rank(format: Format) -> u32 {
 /// `floors` where that is more precise (a 16-bit floor keeps every page of its layer as it is).
 ///
 /// The core lock is handed to waiting requests between pages ([`LockPacer`]): a page's migration
-/// begins and ends under the lock, so other clients wait for about half a millisecond, not for the
+/// begins and ends under the lock, so other clients wait for about 100 µs and one page, not for the
 /// whole request. A session that ends meanwhile ends the request with [`Error::UnknownSession`].
 pub fn recompress(
     core: &mut MutexGuard<'_, Core>,

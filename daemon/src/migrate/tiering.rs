@@ -386,24 +386,35 @@ fn step_down_in_dram(
     stepped
 }
 
+/// What [`demote_to_dram`] moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Moved {
+    pub pages: u32,
+    /// The device bytes their frames took.
+    pub bytes: u64,
+}
+
 /// Moves `pages` from the device to the DRAM pool (module doc), each in the format `demotion`
-/// gives it; returns how many moved. Stops at the first page the pool has no room for.
+/// gives it; returns what moved. Stops at the first page the pool has no room for.
 ///
 /// The core lock is handed to waiting requests between pages ([`LockPacer`]): each page's move
-/// begins and ends under the lock, so other requests wait for about half a millisecond, not for
+/// begins and ends under the lock, so other requests wait for about 100 µs and one page, not for
 /// the whole batch (a watermark drain may demote hundreds of megabytes in one call).
 pub fn demote_to_dram(
     core: &mut MutexGuard<'_, Core>,
     demotion: &Demotion,
     pages: &[PageRef],
     scratch: &mut Scratch,
-) -> Result<u32> {
-    let mut moved = 0;
+) -> Result<Moved> {
+    let mut moved = Moved::default();
     let mut plans: HashMap<(u64, u32), LayerPlan> = HashMap::new();
     let mut pacer = LockPacer::start();
     for &r in pages {
         match demote_page(core, demotion, r, &mut plans, scratch)? {
-            Demoted::Moved => moved += 1,
+            Demoted::Moved(bytes) => {
+                moved.pages += 1;
+                moved.bytes += bytes;
+            }
             Demoted::Skipped => {}
             Demoted::NoRoom => break,
         }
@@ -414,7 +425,8 @@ pub fn demote_to_dram(
 
 /// What [`demote_page`] did with one page.
 enum Demoted {
-    Moved,
+    /// With the device bytes its frame took.
+    Moved(u64),
     /// Not on the device any more, or pinned.
     Skipped,
     /// The DRAM pool is full (or absent): the page stays.
@@ -492,7 +504,7 @@ fn demote_page(
     s.pages.set(r.layer, r.block, Place::Dram(slot), format);
     pool.free_frame(uid, frame)?;
     tier_counters.demoted_to_dram += 1;
-    Ok(Demoted::Moved)
+    Ok(Demoted::Moved(frame.footprint()))
 }
 
 /// A page on its way from DRAM to flash.
@@ -833,7 +845,7 @@ pub fn make_room(
             return Ok(false);
         }
         let moved = demote_to_dram(core, demotion, &victims, scratch)?;
-        if moved == 0 {
+        if moved.pages == 0 {
             // DRAM is full (or absent): push its coldest pages to flash, then try again.
             let Some(flash) = flash else { return Ok(false) };
             let spill = victims.iter().filter_map(|r| footprint(core, *r)).sum::<u64>();
@@ -866,20 +878,22 @@ pub fn demote_coldest(
     bytes: u64,
     scratch: &mut Scratch,
 ) -> Result<u64> {
-    let before = core.pool.used();
     let victims = pick_victims(core, VictimTier::Device, bytes, &HashSet::new(), Need::Cold);
     if victims.is_empty() {
         return Ok(0);
     }
-    if demote_to_dram(core, demotion, &victims, scratch)? == 0
+    let mut moved = demote_to_dram(core, demotion, &victims, scratch)?;
+    if moved.pages == 0
         && let Some(flash) = flash
     {
         let spill = victims.iter().filter_map(|r| footprint(core, *r)).sum::<u64>();
         if spill_dram(core, flash, demotion, spill, &HashSet::new(), Need::Waiting)? > 0 {
-            demote_to_dram(core, demotion, &victims, scratch)?;
+            moved = demote_to_dram(core, demotion, &victims, scratch)?;
         }
     }
-    Ok(before.saturating_sub(core.pool.used()))
+    // Counted page by page: the lock is handed over between pages, so the pool's use may also
+    // change by other requests meanwhile.
+    Ok(moved.bytes)
 }
 
 /// Moves `pages` from DRAM to flash with the flash I/O outside the core lock: the guard is
