@@ -28,10 +28,9 @@ const LOCK_SLICE: Duration = Duration::from_micros(100);
 /// pages for flash): every page's move begins and ends under the lock, and once the loop has held
 /// it for [`LOCK_SLICE`] it hands it to a waiting request ([`parking_lot::MutexGuard::bump`], a
 /// fair handoff; nothing happens when no one waits) and takes it back. An admin `Compress` of
-/// 2,048 Llama-3-8B pages made another client's `SessionStats` calls wait 79–99 ms (all of it)
-/// before; with the pacer their median was 0.17–0.19 ms and their p99 0.3–6.8 ms (`cargo bench -p
-/// kvmm-client --bench stall`, 2026-12-03). The spikes of about 12 ms that remain also come during
-/// a `Detach`, whose work never held the lock that long: they are this 2-core VM's scheduling.
+/// 2,048 Llama-3-8B pages made another client's `SessionStats` calls wait 73–99 ms (all of it)
+/// before; with the pacer their median was 0.16–0.21 ms and their p99 0.3–6.8 ms (`cargo bench -p
+/// kvmm-client --bench stall`, 2026-12-03; single calls of 10–14 ms remain, not explained yet).
 #[derive(Debug)]
 pub struct LockPacer {
     since: Instant,

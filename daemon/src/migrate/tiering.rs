@@ -114,7 +114,8 @@ impl Reserved {
         self.bytes += frame.footprint();
     }
 
-    fn remove(&mut self, frame: Frame) {
+    /// Counts one frame less.
+    pub(crate) fn remove(&mut self, frame: Frame) {
         debug_assert!(self.frames > 0 && self.bytes >= frame.footprint(), "a frame released twice: {self:?}");
         self.frames = self.frames.saturating_sub(1);
         self.bytes = self.bytes.saturating_sub(frame.footprint());
