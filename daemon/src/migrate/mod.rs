@@ -30,7 +30,8 @@ const LOCK_SLICE: Duration = Duration::from_micros(100);
 /// fair handoff; nothing happens when no one waits) and takes it back. An admin `Compress` of
 /// 2,048 Llama-3-8B pages made another client's `SessionStats` calls wait 73–99 ms (all of it)
 /// before; with the pacer their median was 0.16–0.21 ms and their p99 0.3–6.8 ms (`cargo bench -p
-/// kvmm-client --bench stall`, 2026-12-03; single calls of 10–14 ms remain, not explained yet).
+/// kvmm-client --bench stall`, 2026-12-03; single calls of 10–14 ms remain: the request's thread
+/// holding the CPU for a scheduler slice, not the lock; see ARCHITECTURE.md, "Concurrency").
 #[derive(Debug)]
 pub struct LockPacer {
     since: Instant,
