@@ -24,31 +24,60 @@ use crate::policy::rate::RateLimit;
 /// How long a loop over many pages holds the core lock before it hands it to a waiting request.
 const LOCK_SLICE: Duration = Duration::from_micros(100);
 
+/// The longest such a loop keeps its CPU before it yields it to other runnable threads.
+const MAX_CPU_SLICE: Duration = Duration::from_millis(2);
+
 /// Paces a loop that works on many pages under the core lock (recompression, demotion, taking DRAM
-/// pages for flash): every page's move begins and ends under the lock, and once the loop has held
-/// it for [`LOCK_SLICE`] it hands it to a waiting request ([`parking_lot::MutexGuard::bump`], a
-/// fair handoff; nothing happens when no one waits) and takes it back. An admin `Compress` of
-/// 2,048 Llama-3-8B pages made another client's `SessionStats` calls wait 73–99 ms (all of it)
-/// before; with the pacer their median was 0.16–0.21 ms and their p99 0.3–6.8 ms (`cargo bench -p
-/// kvmm-client --bench stall`, 2026-12-03; single calls of 10–14 ms remain: the request's thread
-/// holding the CPU for a scheduler slice, not the lock; see ARCHITECTURE.md, "Concurrency").
+/// pages for flash, compaction, zeroing a destroyed session's frames): every page's move begins and
+/// ends under the lock, and between pages the pacer shares the lock and the CPU.
+/// - Once the loop has held the lock for [`LOCK_SLICE`], it hands it to a waiting request
+///   ([`parking_lot::MutexGuard::bump`], a fair handoff; nothing happens when no one waits) and
+///   takes it back. An admin `Compress` of 2,048 Llama-3-8B pages made another client's
+///   `SessionStats` calls wait 73–99 ms (all of it) before.
+/// - Once it has run for its CPU slice, it also yields the CPU (`sched_yield`) with the lock
+///   released. Without that, a worker woken on the loop's CPU to serve another client waited out
+///   the loop's scheduler slice: 10–14 ms, every call when kvmmd ran on one CPU. The slice is as
+///   long as the others ran the last time it yielded, within [`LOCK_SLICE`]..=[`MAX_CPU_SLICE`]:
+///   a request served takes about 0.1 ms, so the loop yields often while requests come, but a CPU
+///   hog beside it takes a whole slice of its own, and yielding every 0.1 ms then made a
+///   `Compress` 9 times slower (about 2 times with the adaptive slice).
+///
+/// With both, the other client's calls during a `Compress` or `Demote` of 270 MB had a p99 of
+/// 0.27–1.4 ms and a maximum of 0.9–7.6 ms, pinned to one CPU or not (`cargo bench -p kvmm-client
+/// --bench stall`, 2026-12-03; see ARCHITECTURE.md, "Concurrency").
 #[derive(Debug)]
 pub struct LockPacer {
-    since: Instant,
+    /// When the loop last took the lock back.
+    locked_since: Instant,
+    /// When the loop last took its CPU back.
+    running_since: Instant,
+    /// How long the loop keeps its CPU before it yields it again: as long as the others ran
+    /// the last time, within [`LOCK_SLICE`]..=[`MAX_CPU_SLICE`].
+    cpu_slice: Duration,
 }
 
 impl LockPacer {
-    /// A pacer whose slice starts now.
+    /// A pacer whose slices start now.
     pub fn start() -> LockPacer {
-        LockPacer { since: Instant::now() }
+        let now = Instant::now();
+        LockPacer { locked_since: now, running_since: now, cpu_slice: LOCK_SLICE }
     }
 
-    /// Between two pages: hands the lock over if the slice is used up.
+    /// Between two pages: hands the lock over if its slice is used up, and yields the CPU too if
+    /// the CPU's slice is.
     pub fn between_pages(&mut self, core: &mut parking_lot::MutexGuard<'_, crate::daemon::Core>) {
-        if self.since.elapsed() >= LOCK_SLICE {
-            parking_lot::MutexGuard::bump(core);
-            self.since = Instant::now();
+        if self.locked_since.elapsed() < LOCK_SLICE {
+            return;
         }
+        if self.running_since.elapsed() >= self.cpu_slice {
+            let left = Instant::now();
+            parking_lot::MutexGuard::unlocked_fair(core, std::thread::yield_now);
+            self.running_since = Instant::now();
+            self.cpu_slice = self.running_since.duration_since(left).clamp(LOCK_SLICE, MAX_CPU_SLICE);
+        } else {
+            parking_lot::MutexGuard::bump(core);
+        }
+        self.locked_since = Instant::now();
     }
 }
 
@@ -61,11 +90,17 @@ pub async fn compaction_task(daemon: Arc<Daemon>, interval: Duration) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !daemon.is_shutting_down() {
         tick.tick().await;
-        let report = compact::run_pass(&mut daemon.core.lock(), COMPACTION_MOVES_PER_PASS);
+        // On the blocking pool: a pass copies up to 256 pages per arena, which would hold up the
+        // requests queued on an async worker meanwhile.
+        let passing = daemon.clone();
+        let report =
+            tokio::task::spawn_blocking(move || compact::run_pass(&mut passing.core.lock(), COMPACTION_MOVES_PER_PASS))
+                .await;
         match report {
-            Ok(r) if r.moved > 0 => tracing::debug!(moved = r.moved, skipped = r.skipped, "compaction pass"),
-            Ok(_) => {}
-            Err(e) => tracing::error!(error = %e, "compaction pass failed"),
+            Ok(Ok(r)) if r.moved > 0 => tracing::debug!(moved = r.moved, skipped = r.skipped, "compaction pass"),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::error!(error = %e, "compaction pass failed"),
+            Err(e) => tracing::error!(error = %e, "the compaction task failed"),
         }
     }
 }
