@@ -194,7 +194,7 @@ fn oversubscribed(demote_format: &str) {
         c.expect_line("detached");
         assert!(c.wait(Duration::from_secs(20)).success());
     }
-    let (s, _) = daemon.wait_status(Duration::from_secs(5), |s| s.sessions == 0);
+    let s = daemon.wait_drained();
     for t in &s.tiers {
         assert_eq!((t.used_bytes, t.pages), (0, 0), "everything returned: {t:?}");
     }
@@ -334,7 +334,7 @@ fn injected_flash_errors_fail_only_their_pages_and_leak_nothing() {
     assert_eq!(s.tiers[0].used_bytes, s.session_bytes);
     b.send("exit");
     b.expect_line("detached");
-    let (s, _) = daemon.wait_status(Duration::from_secs(5), |s| s.sessions == 0);
+    let s = daemon.wait_drained();
     for t in &s.tiers {
         assert_eq!((t.used_bytes, t.pages), (0, 0), "{t:?}");
     }
@@ -620,5 +620,69 @@ fn the_tier_mover_keeps_demoting_into_dram_while_the_flash_drain_writes() {
     assert_eq!(s.tiers[0].used_bytes, s.session_bytes + s.tiers[0].reserved_bytes, "{s:?}");
     c.send("exit");
     c.expect_line("detached");
+    assert!(daemon.stop().success());
+}
+
+/// `kB` field `name` of `/proc/PID/status`, in bytes.
+fn proc_status_bytes(pid: u32, name: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with(&format!("{name}:"))).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+}
+
+/// Moving a large session's DRAM pages to flash copies them out in the clear a batch at a time:
+/// kvmmd's peak memory during the move grows by a batch, not by the session. Before, every page
+/// was copied out first and then sealed and written in one go, so an admin `Demote` (or a drain
+/// under memory pressure, when memory is scarcest) briefly took as much heap again as it moved.
+#[test]
+fn moving_a_large_session_to_flash_holds_a_batch_of_copies_not_the_session() {
+    use kvmm_client::{Client, ElementType, Geometry};
+
+    let flash = tempfile::tempdir().unwrap();
+    let flash_dir = flash.path().to_str().unwrap();
+    let daemon = Daemon::start(&[
+        "--device-budget",
+        "256MiB",
+        "--dram-budget",
+        "128MiB",
+        "--flash-budget",
+        "128MiB",
+        "--flash-dir",
+        flash_dir,
+        "--demote-format",
+        "none",
+    ]);
+    // Llama-3-8B's KV shape over 16 layers of 1,024 tokens: 512 f16 pages of 135,232 bytes (69 MB).
+    let g = Geometry {
+        layers: 16,
+        kv_heads: 8,
+        q_heads: 32,
+        head_dim: 128,
+        block_tokens: 32,
+        element_type: ElementType::F16,
+        max_tokens: 1024,
+    };
+    let client = Client::connect(daemon.socket()).unwrap();
+    let mut session = client.attach(g).unwrap();
+    let row = (g.kv_heads * g.head_dim) as usize;
+    let tokens = g.max_tokens as usize;
+    let k: Vec<f32> = (0..tokens * row).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+    let v: Vec<f32> = (0..tokens * row).map(|i| ((i * 104_729) % 1000) as f32 / 500.0 - 1.0).collect();
+    for layer in 0..g.layers {
+        session.append(layer, &k, &v).unwrap();
+    }
+    assert_eq!(daemon.demote(session.id(), Tier::Dram).demoted, 512);
+    let moved_bytes = 512 * 135_232;
+
+    let pid = daemon.pid();
+    let before = proc_status_bytes(pid, "VmRSS");
+    // Resets VmHWM, the peak resident set, to the present one.
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
+    assert_eq!(daemon.demote(session.id(), Tier::Flash).demoted, 512);
+    let peak = proc_status_bytes(pid, "VmHWM");
+    let grew = peak.saturating_sub(before);
+    println!("moving {moved_bytes} bytes to flash: peak RSS {peak} bytes, {grew} above the {before} before");
+    assert!(grew < moved_bytes / 3, "kvmmd's peak RSS grew by {grew} bytes while {moved_bytes} bytes moved to flash");
+    session.detach().unwrap();
     assert!(daemon.stop().success());
 }
