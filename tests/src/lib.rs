@@ -339,6 +339,15 @@ impl Daemon {
         }
     }
 
+    /// Polls `status` (at most 5 s) until no session is attached and no tier holds a byte or a
+    /// page; returns the last status. A session leaves the registry before its frames are zeroed
+    /// and freed, and a closed connection is cleaned up after the client has exited, so `sessions`
+    /// reaches 0 before the tiers are empty.
+    pub fn wait_drained(&self) -> StatusResponse {
+        let empty = |s: &StatusResponse| s.sessions == 0 && s.tiers.iter().all(|t| t.used_bytes == 0 && t.pages == 0);
+        self.wait_status(Duration::from_secs(5), empty).0
+    }
+
     /// Sends a signal to the daemon.
     pub fn signal(&self, sig: rustix::process::Signal) {
         rustix::process::kill_process(rustix::process::Pid::from_raw(self.pid() as i32).unwrap(), sig).unwrap();

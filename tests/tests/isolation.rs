@@ -55,7 +55,7 @@ fn another_uid_cannot_touch_a_session_or_receive_its_arena() {
         w.send("exit");
         assert!(w.wait(Duration::from_secs(10)).success());
     }
-    let (status, _) = daemon.wait_status(Duration::from_secs(5), |s| s.sessions == 0);
+    let status = daemon.wait_drained();
     assert_eq!(status.tiers[0].used_bytes, 0);
     assert!(daemon.stop().success());
 }

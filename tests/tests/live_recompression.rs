@@ -100,7 +100,7 @@ fn pages_recompressed_under_running_attention_decode_exactly_as_quantized() {
         assert!(c.wait(Duration::from_secs(10)).success());
     }
     println!("{} page moves ran alongside", after.pages_moved);
-    let (status, _) = daemon.wait_status(Duration::from_secs(5), |s| s.sessions == 0);
+    let status = daemon.wait_drained();
     assert_eq!(status.tiers[0].used_bytes, 0);
     assert!(daemon.stop().success());
 }

@@ -107,7 +107,7 @@ fn three_processes_match_the_reference_and_a_fourth_past_the_budget_is_refused()
         w.expect_line("detached");
         assert!(w.wait(Duration::from_secs(10)).success());
     }
-    let (status, _) = daemon.wait_status(Duration::from_secs(5), |s| s.sessions == 0);
+    let status = daemon.wait_drained();
     assert_eq!(status.tiers[0].used_bytes, 0, "accounting returns to zero");
     assert_eq!(status.tiers[0].frames, 0);
     assert!(daemon.stop().success());
