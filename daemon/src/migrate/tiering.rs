@@ -978,15 +978,18 @@ pub fn spill_dram(
 }
 
 /// Plans each layer of `pages` as [`demote_to_dram`] would and steps its DRAM pages down
-/// ([`step_down_in_dram`]).
-fn step_down_layers(core: &mut Core, demotion: &Demotion, pages: &[PageRef]) {
-    let Core { sessions, dram, outbound, .. } = core;
-    let Some(dram) = dram.as_mut() else { return };
+/// ([`step_down_in_dram`]), handing the core lock over between layers ([`LockPacer`]).
+fn step_down_layers(core: &mut MutexGuard<'_, Core>, demotion: &Demotion, pages: &[PageRef]) {
     let layers: HashSet<(u64, u32)> = pages.iter().map(|r| (r.session, r.layer)).collect();
     let mut scratch = Scratch::default();
+    let mut pacer = LockPacer::start();
     for (session, layer) in layers {
-        let Some(s) = sessions.get_mut_unchecked(session) else { continue };
-        plan_layer(s, session, layer, demotion, dram, outbound, &mut scratch);
+        let Core { sessions, dram, outbound, .. } = &mut **core;
+        let Some(dram) = dram.as_mut() else { return };
+        if let Some(s) = sessions.get_mut_unchecked(session) {
+            plan_layer(s, session, layer, demotion, dram, outbound, &mut scratch);
+        }
+        pacer.between_pages(core);
     }
 }
 
