@@ -1,7 +1,7 @@
 //! How long other clients wait while the daemon does something long for someone else: a session of
 //! Llama-3-8B's KV shape (32 layers, 8 KV heads of 128 channels, 32-token f16 pages of 135,232
 //! bytes) is filled to 2,048 full pages (270 MB), then one request works on all of it (an admin
-//! `Compress` to q8 or q4, an admin `Demote` to DRAM, the owner's `Detach`, an admin
+//! `Compress` to q8 or q4, an admin `Demote` to DRAM or to flash, the owner's `Detach`, an admin
 //! `WipeSession`) while a second client calls `SessionStats` on its own small session in a loop.
 //! Prints how long the request took and the latency of the other client's calls that started
 //! while it ran (p50, p99, max): a daemon that held its one lock for the whole request would make
@@ -30,14 +30,31 @@ enum Request {
     /// No request: 150 ms of the other client's calls alone, for comparison.
     Nothing,
     Compress(pb::PageFormat),
-    DemoteToDram,
+    /// An admin `Demote` to DRAM or to flash (through DRAM: compressed to q8, then sealed).
+    Demote(pb::Tier),
     Detach,
     Wipe,
 }
 
 fn main() {
     let dir = tempfile::tempdir().unwrap();
-    let daemon = support::start(dir.path(), &["--device-budget", "1GiB", "--dram-budget", "1GiB", "--log", "warn"]);
+    let flash = dir.path().join("flash");
+    std::fs::create_dir(&flash).unwrap();
+    let daemon = support::start(
+        dir.path(),
+        &[
+            "--device-budget",
+            "1GiB",
+            "--dram-budget",
+            "1GiB",
+            "--flash-budget",
+            "1GiB",
+            "--flash-dir",
+            flash.to_str().unwrap(),
+            "--log",
+            "warn",
+        ],
+    );
     let socket = dir.path().join("kvmm.sock");
     let client = Client::connect(&socket).unwrap();
     let admin = support::admin(&client, dir.path());
@@ -57,7 +74,8 @@ fn main() {
         Request::Nothing,
         Request::Compress(pb::PageFormat::Q8),
         Request::Compress(pb::PageFormat::Q4),
-        Request::DemoteToDram,
+        Request::Demote(pb::Tier::Dram),
+        Request::Demote(pb::Tier::Flash),
         Request::Detach,
         Request::Wipe,
     ];
@@ -101,11 +119,11 @@ fn main() {
                         assert_eq!(r.compressed, llama.layers * BLOCKS, "{r:?}");
                         kept = Some(session);
                     }
-                    Request::DemoteToDram => {
+                    Request::Demote(tier) => {
                         let r = client
                             .block_on(admin.demote(pb::DemoteRequest {
                                 session_id: id,
-                                tier: pb::Tier::Dram as i32,
+                                tier: tier as i32,
                                 ..Default::default()
                             }))
                             .unwrap()
