@@ -117,6 +117,31 @@ fn spawn_kvmmd(kvmmd: &mut Command, dir: &Path, log: &Path, args: &[&str]) -> Ch
         .expect("spawn kvmmd")
 }
 
+/// Llama-3-8B's KV shape (8 KV heads of 128 channels, 32 query heads, 32-token f16 pages of
+/// 135,232 bytes) with `layers` layers of up to `max_tokens` tokens.
+pub fn llama3_8b(layers: u32, max_tokens: u32) -> kvmm_client::Geometry {
+    kvmm_client::Geometry {
+        layers,
+        kv_heads: 8,
+        q_heads: 32,
+        head_dim: 128,
+        block_tokens: 32,
+        element_type: kvmm_client::ElementType::F16,
+        max_tokens,
+    }
+}
+
+/// Appends `g.max_tokens` tokens of fixed K/V in [-1, 1) to every layer of `session`.
+pub fn fill_every_layer(session: &mut kvmm_client::Session, g: kvmm_client::Geometry) {
+    let row = (g.kv_heads * g.head_dim) as usize;
+    let tokens = g.max_tokens as usize;
+    let k: Vec<f32> = (0..tokens * row).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+    let v: Vec<f32> = (0..tokens * row).map(|i| ((i * 104_729) % 1000) as f32 / 500.0 - 1.0).collect();
+    for layer in 0..g.layers {
+        session.append(layer, &k, &v).unwrap();
+    }
+}
+
 /// A running kvmmd in a private runtime directory. Dropping it kills the daemon.
 #[derive(Debug)]
 pub struct Daemon {

@@ -117,27 +117,13 @@ fn pages_recompressed_under_running_attention_decode_exactly_as_quantized() {
 fn other_clients_are_served_while_a_large_session_is_recompressed() {
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    use kvmm_client::{Client, ElementType, Geometry};
+    use kvmm_client::{Client, Geometry};
 
     let daemon = start_on_one_cpu(&["--device-budget", "256MiB"]);
-    let llama = Geometry {
-        layers: 32,
-        kv_heads: 8,
-        q_heads: 32,
-        head_dim: 128,
-        block_tokens: 32,
-        element_type: ElementType::F16,
-        max_tokens: 32 * 32,
-    };
+    let llama = kvmm_tests::llama3_8b(32, 32 * 32);
     let client = Client::connect(daemon.socket()).unwrap();
     let mut big = client.attach(llama).unwrap();
-    let row = (llama.kv_heads * llama.head_dim) as usize;
-    let tokens = llama.max_tokens as usize;
-    let k: Vec<f32> = (0..tokens * row).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
-    let v: Vec<f32> = (0..tokens * row).map(|i| ((i * 104_729) % 1000) as f32 / 500.0 - 1.0).collect();
-    for layer in 0..llama.layers {
-        big.append(layer, &k, &v).unwrap();
-    }
+    kvmm_tests::fill_every_layer(&mut big, llama);
     let other = Client::connect(daemon.socket()).unwrap();
     let probe = other.attach(Geometry { layers: 1, kv_heads: 1, q_heads: 1, head_dim: 64, ..llama }).unwrap();
 

@@ -636,7 +636,7 @@ fn proc_status_bytes(pid: u32, name: &str) -> u64 {
 /// under memory pressure, when memory is scarcest) briefly took as much heap again as it moved.
 #[test]
 fn moving_a_large_session_to_flash_holds_a_batch_of_copies_not_the_session() {
-    use kvmm_client::{Client, ElementType, Geometry};
+    use kvmm_client::Client;
 
     let flash = tempfile::tempdir().unwrap();
     let flash_dir = flash.path().to_str().unwrap();
@@ -653,24 +653,10 @@ fn moving_a_large_session_to_flash_holds_a_batch_of_copies_not_the_session() {
         "none",
     ]);
     // Llama-3-8B's KV shape over 16 layers of 1,024 tokens: 512 f16 pages of 135,232 bytes (69 MB).
-    let g = Geometry {
-        layers: 16,
-        kv_heads: 8,
-        q_heads: 32,
-        head_dim: 128,
-        block_tokens: 32,
-        element_type: ElementType::F16,
-        max_tokens: 1024,
-    };
+    let g = kvmm_tests::llama3_8b(16, 1024);
     let client = Client::connect(daemon.socket()).unwrap();
     let mut session = client.attach(g).unwrap();
-    let row = (g.kv_heads * g.head_dim) as usize;
-    let tokens = g.max_tokens as usize;
-    let k: Vec<f32> = (0..tokens * row).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
-    let v: Vec<f32> = (0..tokens * row).map(|i| ((i * 104_729) % 1000) as f32 / 500.0 - 1.0).collect();
-    for layer in 0..g.layers {
-        session.append(layer, &k, &v).unwrap();
-    }
+    kvmm_tests::fill_every_layer(&mut session, g);
     assert_eq!(daemon.demote(session.id(), Tier::Dram).demoted, 512);
     let moved_bytes = 512 * 135_232;
 
