@@ -626,8 +626,7 @@ fn the_tier_mover_keeps_demoting_into_dram_while_the_flash_drain_writes() {
 /// `kB` field `name` of `/proc/PID/status`, in bytes.
 fn proc_status_bytes(pid: u32, name: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status.lines().find(|l| l.starts_with(&format!("{name}:"))).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+    kvmm_tests::soak::proc_kib(&status, name).unwrap() * 1024
 }
 
 /// Moving a large session's DRAM pages to flash copies them out in the clear a batch at a time:

@@ -921,17 +921,16 @@ pub fn move_to_flash(
     }
     let mut moved = 0;
     let mut rest = pages;
-    while !rest.is_empty() {
-        let mut bytes = 0;
-        let taken = rest
+    while let Some((&first, next)) = rest.split_first() {
+        // The first page always goes; the next ones while the batch stays within its bytes.
+        let mut bytes = footprint(core, first).unwrap_or(0);
+        let taken = 1 + next
             .iter()
             .take_while(|&&r| {
-                let first = bytes == 0;
                 bytes += footprint(core, r).unwrap_or(0);
-                first || bytes <= FLASH_BATCH_BYTES
+                bytes <= FLASH_BATCH_BYTES
             })
-            .count()
-            .max(1);
+            .count();
         let (batch, later) = rest.split_at(taken);
         moved += move_batch_to_flash(core, flash, batch)?;
         rest = later;
