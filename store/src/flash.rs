@@ -34,6 +34,7 @@ use rustix::fs::{FallocateFlags, Mode, OFlags};
 
 use crate::extent::ExtentAllocator;
 use crate::io::{AlignedBuf, EngineKind, IO_ALIGN, IoBuffers, IoEngine, IoError, IoRequest, run_all};
+use crate::pace::CpuShare;
 use crate::seal::{PageAad, SealError, SealNonce, SlotCounters, TAG_LEN, TIER_FLASH, open_into, seal_into};
 use crate::tier::{PageId, PageRead, PageWrite, Tier, TierError, TierKind, TierStats};
 
@@ -223,8 +224,9 @@ impl FlashFile {
             plans.push(plan);
         }
         let (engine, fd, buffers) = (self.engine.as_ref(), self.file.as_fd(), self.buffers.as_ref());
-        // Seals run `k` into a staging buffer: the buffer (if one could be had) and each page's result.
-        let seal_run = |k: usize| -> (Option<Staging>, Vec<PageResult>) {
+        // Seals run `k` into a staging buffer: the buffer (if one could be had) and each page's
+        // result. The sealing thread yields its CPU between pages once its share is used up.
+        let seal_run = |k: usize, cpu: &mut CpuShare| -> (Option<Staging>, Vec<PageResult>) {
             let mut staging = match staging(buffers, runs[k].bytes as usize) {
                 Ok(s) => s,
                 Err(e) => {
@@ -234,6 +236,7 @@ impl FlashFile {
             };
             let mut out = Vec::with_capacity(plans[k].len());
             for pl in &plans[k] {
+                cpu.between();
                 let at = (pl.offset - runs[k].offset) as usize;
                 let record = &mut staging[at..at + pl.extent as usize];
                 let Some(nonce) = pl.nonce else {
@@ -263,7 +266,7 @@ impl FlashFile {
         if runs.len() <= 1 {
             let mut staged = Vec::new();
             for k in 0..runs.len() {
-                let (staging, out) = seal_run(k);
+                let (staging, out) = seal_run(k, &mut CpuShare::start());
                 sealed_pages.extend(out);
                 staged.extend(staging.map(|s| (k, s)));
             }
@@ -276,9 +279,9 @@ impl FlashFile {
             let helped = Mutex::new(Vec::new());
             let (written_ref, helped_ref) = (&written, &helped);
             let seal_every_nth = |first: usize, sealed: mpsc::SyncSender<(usize, Staging)>| {
-                let mut out = Vec::new();
+                let (mut out, mut cpu) = (Vec::new(), CpuShare::start());
                 for k in (first..runs.len()).step_by(sealers) {
-                    let (staging, pages) = seal_run(k);
+                    let (staging, pages) = seal_run(k, &mut cpu);
                     out.extend(pages);
                     if let Some(staging) = staging
                         && sealed.send((k, staging)).is_err()
@@ -462,7 +465,8 @@ impl FlashFile {
             })
             .collect();
         // Opens the pages of arrived runs; returns each page's result and the counters it moved.
-        let open_batch = |batch: Vec<(usize, Result<Staging, IoError>)>| -> Opened {
+        // The opening thread yields its CPU between pages once its share is used up.
+        let open_batch = |batch: Vec<(usize, Result<Staging, IoError>)>, cpu: &mut CpuShare| -> Opened {
             let mut stats = TierStats::default();
             let mut out = Vec::new();
             for (k, staged) in batch {
@@ -478,6 +482,7 @@ impl FlashFile {
                     }
                 };
                 for (i, read) in members.iter_mut() {
+                    cpu.between();
                     let at = (read.slot.offset - run.offset) as usize;
                     let opened = open_record(read, &staging[at..at + read.slot.extent as usize]);
                     match opened {
@@ -495,7 +500,7 @@ impl FlashFile {
         let mut opened: Vec<Opened> = Vec::new();
         if runs.len() <= 1 {
             let all: Vec<usize> = (0..runs.len()).collect();
-            opened.push(open_batch(read(&all)));
+            opened.push(open_batch(read(&all), &mut CpuShare::start()));
         } else {
             let (done, queue) = mpsc::sync_channel::<Vec<(usize, Result<Staging, IoError>)>>(PIPELINE_RUNS);
             let queue = Mutex::new(queue);
@@ -503,11 +508,11 @@ impl FlashFile {
             let helped_ref = &helped;
             // Two openers take arrived batches from one queue.
             let open_all = || {
-                let mut mine = Vec::new();
+                let (mut mine, mut cpu) = (Vec::new(), CpuShare::start());
                 loop {
                     let batch = lock(&queue).recv();
                     let Ok(batch) = batch else { break };
-                    mine.push(open_batch(batch));
+                    mine.push(open_batch(batch, &mut cpu));
                 }
                 mine
             };

@@ -10,6 +10,7 @@
 //! - [`io`]: the [`io::IoEngine`] seam (io_uring on its own thread, pread/pwrite, a fault-injecting
 //!   wrapper), [`io::run_all`] that finishes batches on any engine, aligned buffers, and the start-up
 //!   [`io::probe`].
+//! - [`pace`]: [`pace::CpuShare`], how a long loop shares its CPU with the daemon's other threads.
 //! - [`tier`]: the [`tier::Tier`] seam the DRAM pool and the flash file implement, and its errors.
 //! - [`seal`]: AES-256-GCM sealing of pages that leave the device, with per-session keys in locked
 //!   memory and per-slot nonces.
@@ -18,5 +19,6 @@ pub mod dram;
 pub mod extent;
 pub mod flash;
 pub mod io;
+pub mod pace;
 pub mod seal;
 pub mod tier;

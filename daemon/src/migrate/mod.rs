@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvmm_store::dram::DramPool;
+use kvmm_store::pace::CpuShare;
 
 use parking_lot::Mutex;
 
@@ -24,9 +25,6 @@ use crate::policy::rate::RateLimit;
 /// How long a loop over many pages holds the core lock before it hands it to a waiting request.
 const LOCK_SLICE: Duration = Duration::from_micros(100);
 
-/// The longest such a loop keeps its CPU before it yields it to other runnable threads.
-const MAX_CPU_SLICE: Duration = Duration::from_millis(2);
-
 /// Paces a loop that works on many pages under the core lock (recompression, demotion, taking DRAM
 /// pages for flash, compaction, zeroing a destroyed session's frames): every page's move begins and
 /// ends under the lock, and between pages the pacer shares the lock and the CPU.
@@ -34,13 +32,9 @@ const MAX_CPU_SLICE: Duration = Duration::from_millis(2);
 ///   ([`parking_lot::MutexGuard::bump`], a fair handoff; nothing happens when no one waits) and
 ///   takes it back. An admin `Compress` of 2,048 Llama-3-8B pages made another client's
 ///   `SessionStats` calls wait 73–99 ms (all of it) before.
-/// - Once it has run for its CPU slice, it also yields the CPU (`sched_yield`) with the lock
-///   released. Without that, a worker woken on the loop's CPU to serve another client waited out
-///   the loop's scheduler slice: 10–14 ms, every call when kvmmd ran on one CPU. The slice is as
-///   long as the others ran the last time it yielded, within [`LOCK_SLICE`]..=[`MAX_CPU_SLICE`]:
-///   a request served takes about 0.1 ms, so the loop yields often while requests come, but a CPU
-///   hog beside it takes a whole slice of its own, and yielding every 0.1 ms then made a
-///   `Compress` 9 times slower (about 2 times with the adaptive slice).
+/// - Once it has run for its CPU slice ([`CpuShare`]), it also yields the CPU (`sched_yield`) with
+///   the lock released. Without that, a worker woken on the loop's CPU to serve another client
+///   waited out the loop's scheduler slice: 10–14 ms, every call when kvmmd ran on one CPU.
 ///
 /// With both, the other client's calls during a `Compress` or `Demote` of 270 MB had a p99 of
 /// 0.27–1.4 ms and a maximum of 0.9–7.6 ms, pinned to one CPU or not (`cargo bench -p kvmm-client
@@ -49,18 +43,14 @@ const MAX_CPU_SLICE: Duration = Duration::from_millis(2);
 pub struct LockPacer {
     /// When the loop last took the lock back.
     locked_since: Instant,
-    /// When the loop last took its CPU back.
-    running_since: Instant,
-    /// How long the loop keeps its CPU before it yields it again: as long as the others ran
-    /// the last time, within [`LOCK_SLICE`]..=[`MAX_CPU_SLICE`].
-    cpu_slice: Duration,
+    /// The loop's share of its CPU.
+    cpu: CpuShare,
 }
 
 impl LockPacer {
     /// A pacer whose slices start now.
     pub fn start() -> LockPacer {
-        let now = Instant::now();
-        LockPacer { locked_since: now, running_since: now, cpu_slice: LOCK_SLICE }
+        LockPacer { locked_since: Instant::now(), cpu: CpuShare::start() }
     }
 
     /// Between two pages: hands the lock over if its slice is used up, and yields the CPU too if
@@ -69,11 +59,8 @@ impl LockPacer {
         if self.locked_since.elapsed() < LOCK_SLICE {
             return;
         }
-        if self.running_since.elapsed() >= self.cpu_slice {
-            let left = Instant::now();
-            parking_lot::MutexGuard::unlocked_fair(core, std::thread::yield_now);
-            self.running_since = Instant::now();
-            self.cpu_slice = self.running_since.duration_since(left).clamp(LOCK_SLICE, MAX_CPU_SLICE);
+        if self.cpu.used_up() {
+            self.cpu.give_way(|yield_now| parking_lot::MutexGuard::unlocked_fair(core, yield_now));
         } else {
             parking_lot::MutexGuard::bump(core);
         }

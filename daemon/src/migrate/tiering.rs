@@ -43,6 +43,7 @@ use kvmm_shm::PageLocation;
 use kvmm_store::dram::{DramPool, DramSlot};
 use kvmm_store::extent::ExtentAllocator;
 use kvmm_store::flash::{FlashFile, FlashSlot};
+use kvmm_store::pace::CpuShare;
 use kvmm_store::seal::SessionKey;
 use kvmm_store::tier::{PageId, PageRead, PageWrite, Tier, TierError};
 use parking_lot::{Mutex, MutexGuard};
@@ -950,8 +951,10 @@ fn move_batch_to_flash(core: &mut MutexGuard<'_, Core>, flash: &Mutex<FlashFile>
         let written = write_to_flash(&mut flash.lock(), &out, &metrics);
         // The copies are wiped and freed here, not under the core lock at commit: the page is in
         // flash now, or still in its DRAM slot if the write failed.
+        let mut cpu = CpuShare::start();
         for o in &mut out {
             o.bytes = Zeroizing::new(Vec::new());
+            cpu.between();
         }
         written
     });
