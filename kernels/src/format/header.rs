@@ -97,8 +97,7 @@ impl PageHeader {
     /// (quantized formats, `1..=block_tokens`) or for any 16-bit page (`tokens` must be 0).
     pub fn new(shape: PageShape, format: Format, tokens: usize) -> Result<PageHeader, KernelError> {
         shape.check_format(format)?;
-        let valid = if format.is_quantized() { (1..=shape.block_tokens).contains(&tokens) } else { tokens == 0 };
-        if !valid {
+        if !tokens_valid(shape, format, tokens) {
             return Err(KernelError::HeaderTokens { got: tokens, format, block_tokens: shape.block_tokens });
         }
         Ok(Self::expected(shape, format, tokens))
@@ -175,6 +174,14 @@ impl PageHeader {
     /// uninitialized, format, version, reserved bytes, each geometry and offset field, tokens.
     pub fn validate(shape: PageShape, format: Format, page: &[u8]) -> Result<PageHeader, KernelError> {
         shape.check_page(format, page.len())?;
+        // The common, valid case: the bytes are the expected header but for the token count. Any
+        // mismatch is explained field by field below.
+        let tokens = usize::from(u16_at(page, 10));
+        let want = PageHeader::expected(shape, format, tokens);
+        let encoded = want.encode();
+        if tokens_valid(shape, format, tokens) && page[..HEADER_BYTES] == encoded[..] {
+            return Ok(want);
+        }
         if page[..HEADER_BYTES].iter().all(|&b| b == 0) {
             return Err(KernelError::HeaderUninitialized);
         }
@@ -201,12 +208,17 @@ impl PageHeader {
             return Err(KernelError::HeaderField { field, got, want });
         }
         let tokens = usize::from(header.tokens);
-        let valid = if format.is_quantized() { (1..=shape.block_tokens).contains(&tokens) } else { tokens == 0 };
-        if !valid {
+        if !tokens_valid(shape, format, tokens) {
             return Err(KernelError::HeaderTokens { got: tokens, format, block_tokens: shape.block_tokens });
         }
         Ok(header)
     }
+}
+
+/// Whether a header of `format` may encode `tokens`: quantized pages hold `1..=block_tokens`
+/// filled slots, 16-bit pages always say 0 (their filled count lives in the page table).
+fn tokens_valid(shape: PageShape, format: Format, tokens: usize) -> bool {
+    if format.is_quantized() { (1..=shape.block_tokens).contains(&tokens) } else { tokens == 0 }
 }
 
 /// Writes the header of an empty 16-bit page of `shape` in `format` into `page` and sets every

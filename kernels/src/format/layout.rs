@@ -206,6 +206,11 @@ impl PageShape {
     /// Checks the shape against `format` and that `page_len` bytes hold at least one page.
     pub fn check_page(self, format: Format, page_len: usize) -> Result<(), KernelError> {
         self.check_format(format)?;
+        self.check_len(format, page_len)
+    }
+
+    /// The length half of [`PageShape::check_page`], for a shape already checked against `format`.
+    pub(crate) fn check_len(self, format: Format, page_len: usize) -> Result<(), KernelError> {
         let need = self.page_bytes(format);
         if page_len < need {
             return Err(KernelError::PageTooShort {

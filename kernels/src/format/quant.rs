@@ -83,12 +83,18 @@ impl QuantLayout {
             return Err(KernelError::UnsupportedFormat { code: format.as_u8() });
         }
         shape.check_format(format)?;
-        Ok(QuantLayout {
+        Ok(QuantLayout::of_checked(shape, format))
+    }
+
+    /// [`QuantLayout::new`] for a quantized `format` and a shape that passed
+    /// [`PageShape::check_format`] for it (a page header check does both), without checking again.
+    pub(crate) const fn of_checked(shape: PageShape, format: Format) -> QuantLayout {
+        QuantLayout {
             shape,
             k_bits: format.k_bits() as usize,
             v_bits: format.v_bits() as usize,
             v_offset: shape.v_offset(format),
-        })
+        }
     }
 
     /// Value groups per token: `ceil(head_dim / 32)`.
@@ -273,7 +279,7 @@ fn check_quantize(
     if tokens == 0 || tokens > shape.block_tokens {
         return Err(KernelError::PageTokens { page: 0, tokens, block_tokens: shape.block_tokens });
     }
-    QuantLayout::new(shape, to)
+    Ok(QuantLayout::of_checked(shape, to))
 }
 
 /// Quantizes the first `tokens` token slots of the 16-bit page `src` (format `from`, f16 or bf16)
@@ -485,7 +491,7 @@ pub fn dequantize_with(
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512Vnni && format.is_quantized() && shape.block_tokens.is_multiple_of(16) {
-        let layout = QuantLayout::new(shape, format)?;
+        let layout = QuantLayout::of_checked(shape, format);
         // SAFETY: `isa` passed `is_available`, so avx512f/bw/vl/vbmi, avx2, fma and f16c were
         // detected; the header check fixed the page's length for `layout`, the output lengths and
         // the token count were checked above, and block_tokens is a multiple of 16.
@@ -494,7 +500,7 @@ pub fn dequantize_with(
     }
     #[cfg(target_arch = "x86_64")]
     if isa.is_avx512() && format.is_quantized() && shape.block_tokens.is_multiple_of(16) {
-        let layout = QuantLayout::new(shape, format)?;
+        let layout = QuantLayout::of_checked(shape, format);
         // SAFETY: `isa` passed `is_available`, so avx512f/bw/vl, avx2, fma and f16c were detected;
         // the header check fixed the page's length for `layout`, the output lengths and the token
         // count were checked above, and block_tokens is a multiple of 16.
