@@ -2,7 +2,7 @@
 //! defaults that work with no file at all, as root or as an ordinary user.
 //!
 //! Resolution order for every key: command-line flag, then the file given with `--config`, then the
-//! default. [`Config::resolve`] turns the merged values into a [`Resolved`] configuration with every
+//! default. [`FileConfig::resolve`] turns the merged values into a [`Resolved`] configuration with every
 //! path and byte count decided, reading `MemAvailable` and the environment once.
 
 use std::path::{Path, PathBuf};

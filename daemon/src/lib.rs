@@ -7,6 +7,11 @@
 //! [`metrics`] (the Prometheus families), [`ratelog`] (rate limits of log lines clients can
 //! trigger), [`malloc`] (the cap on glibc's malloc arenas), [`systemd`] (notifications, the watchdog's heartbeats), and [`daemon`] (the shared state and the operations the servers call). See
 //! ARCHITECTURE.md.
+//!
+//! Its documentation describes internals and links to private items: read it with
+//! `cargo doc --document-private-items`.
+
+#![allow(rustdoc::private_intra_doc_links)]
 
 pub mod config;
 pub mod daemon;

@@ -14,6 +14,11 @@
 //! - [`tier`]: the [`tier::Tier`] seam the DRAM pool and the flash file implement, and its errors.
 //! - [`seal`]: AES-256-GCM sealing of pages that leave the device, with per-session keys in locked
 //!   memory and per-slot nonces.
+//!
+//! Its documentation describes internals and links to private items: read it with
+//! `cargo doc --document-private-items`.
+
+#![allow(rustdoc::private_intra_doc_links)]
 
 pub mod dram;
 pub mod extent;

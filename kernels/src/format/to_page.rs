@@ -28,7 +28,7 @@
 //! machine's noise): SmolLM2 pages q4 6.21 → 9.70–9.92 G elements/s, q8 6.69 → 10.21, q2 6.73 →
 //! 11.80–11.83, k8v4 6.65 → 10.02–10.05; Llama-3-8B q4 6.99 → 12.51–12.55, q8 7.29 → 11.03–11.06,
 //! q2 7.16 → 12.98–13.06, k8v4 7.19 → 11.19–11.54 (with the page geometry's offsets inlined).
-//! The reduction's lane order ([`fold_order`]) is a compile-time constant: computed at run time it
+//! The reduction's lane order (`fold_order`) is a compile-time constant: computed at run time it
 //! became two scatters whose result was loaded at once, per KV head (SmolLM2 q4 9.5–9.7 → 11.2–11.6,
 //! Llama-3-8B q4 12.5 → 13.8, one sitting on 2026-12-02).
 //!

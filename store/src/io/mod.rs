@@ -4,7 +4,7 @@
 //!
 //! Two engines implement it: [`UringEngine`] (io_uring on its own thread: one submission per batch,
 //! registered buffers) and [`SyncEngine`] (pread/pwrite on the calling thread), and
-//! [`FaultyEngine`] wraps either to inject errors, short transfers and latency in tests. [`probe`]
+//! [`FaultyEngine`] wraps either to inject errors, short transfers and latency in tests. [`probe()`]
 //! picks one at start-up and says why it fell back.
 //!
 //! Contract of [`IoEngine::submit`] (every engine MUST keep it; `run_all` and the tiers rely on it):
