@@ -174,13 +174,10 @@ impl PageHeader {
     /// uninitialized, format, version, reserved bytes, each geometry and offset field, tokens.
     pub fn validate(shape: PageShape, format: Format, page: &[u8]) -> Result<PageHeader, KernelError> {
         shape.check_page(format, page.len())?;
-        // The common, valid case: the bytes are the expected header but for the token count. Any
-        // mismatch is explained field by field below.
-        let tokens = usize::from(u16_at(page, 10));
-        let want = PageHeader::expected(shape, format, tokens);
-        let encoded = want.encode();
-        if tokens_valid(shape, format, tokens) && page[..HEADER_BYTES] == encoded[..] {
-            return Ok(want);
+        let want = PageHeader::expected(shape, format, 0);
+        // The common, valid case; any mismatch is explained field by field below.
+        if let Some(tokens) = matching_tokens(shape, format, page, &want.encode()) {
+            return Ok(PageHeader { tokens: narrow16(tokens), ..want });
         }
         if page[..HEADER_BYTES].iter().all(|&b| b == 0) {
             return Err(KernelError::HeaderUninitialized);
@@ -192,7 +189,6 @@ impl PageHeader {
             return Err(KernelError::HeaderVersion { got: page[1] });
         }
         let header = PageHeader::decode(page)?;
-        let want = PageHeader::expected(shape, format, 0);
         let fields: [(&'static str, u64, u64); 9] = [
             ("k_bits", header.k_bits.into(), want.k_bits.into()),
             ("v_bits", header.v_bits.into(), want.v_bits.into()),
@@ -219,6 +215,15 @@ impl PageHeader {
 /// filled slots, 16-bit pages always say 0 (their filled count lives in the page table).
 fn tokens_valid(shape: PageShape, format: Format, tokens: usize) -> bool {
     if format.is_quantized() { (1..=shape.block_tokens).contains(&tokens) } else { tokens == 0 }
+}
+
+/// The token count of the header at the start of `page` when it is `want` (the expected header of
+/// `shape` in `format`, with `tokens` 0) but for that count and the count is valid; `None` otherwise.
+/// The valid case of every header check: one or two short compares.
+fn matching_tokens(shape: PageShape, format: Format, page: &[u8], want: &[u8; HEADER_BYTES]) -> Option<usize> {
+    let tokens = usize::from(u16_at(page, 10));
+    let matches = page[..10] == want[..10] && page[12..HEADER_BYTES] == want[12..];
+    (matches && tokens_valid(shape, format, tokens)).then_some(tokens)
 }
 
 /// Writes the header of an empty 16-bit page of `shape` in `format` into `page` and sets every
@@ -298,20 +303,9 @@ impl HeaderCheck {
     pub fn check(&self, format: Format, page: &[u8]) -> Result<(usize, Regions), KernelError> {
         if let Some((want, regions)) = &self.expected[usize::from(format.as_u8())]
             && page.len() >= regions.page_bytes
+            && let Some(tokens) = matching_tokens(self.shape, format, page, want)
         {
-            if !format.is_quantized() {
-                if page[..HEADER_BYTES] == want[..] {
-                    return Ok((usize::MAX, *regions));
-                }
-            } else {
-                let tokens = usize::from(u16_at(page, 10));
-                if page[..10] == want[..10]
-                    && page[12..HEADER_BYTES] == want[12..]
-                    && (1..=self.shape.block_tokens).contains(&tokens)
-                {
-                    return Ok((tokens, *regions));
-                }
-            }
+            return Ok((if format.is_quantized() { tokens } else { usize::MAX }, *regions));
         }
         PageHeader::validate(self.shape, format, page)?;
         // Validation passed where the fast path did not: impossible, as both compare the same
