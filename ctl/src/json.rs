@@ -29,6 +29,8 @@ pub fn status(s: &pb::StatusResponse) -> Value {
         "background_bytes": s.background_bytes,
         "policy": s.policy.as_ref().map_or(Value::Null, policy_status),
         "draining": s.draining,
+        "stuck_pins": s.stuck_pins,
+        "pin_lease_ms": s.pin_lease_ms,
     })
 }
 
@@ -121,6 +123,8 @@ pub fn session(s: &pb::SessionInfo) -> Value {
         "dropped_pages": s.dropped_pages,
         "idle_ms": s.idle_ms,
         "attached_ms": s.attached_ms,
+        "stuck_pins": s.stuck_pins,
+        "longest_pin_ms": s.longest_pin_ms,
     })
 }
 

@@ -159,6 +159,13 @@ pub fn status(s: &pb::StatusResponse) -> String {
         s.promoted_from_flash,
         bytes(s.background_bytes)
     );
+    let _ = writeln!(
+        out,
+        "stuck pins: {} page(s) held pinned past the {} pin lease{}",
+        s.stuck_pins,
+        duration_ms(s.pin_lease_ms),
+        if s.stuck_pins > 0 { " (`kvmmctl sessions` names their sessions; `kvmmctl wipe ID` revokes one)" } else { "" }
+    );
     if let Some(p) = &s.policy {
         out.push_str(&policy_status(p));
     }
@@ -241,8 +248,9 @@ pub fn sessions(list: &pb::ListSessionsResponse) -> String {
         "DRAM",
         "FLASH",
         "IDLE",
+        "STUCK",
     ])
-    .right(&[0, 1, 2, 6, 7, 8, 9, 10]);
+    .right(&[0, 1, 2, 6, 7, 8, 9, 10, 11]);
     for s in &list.sessions {
         t.row(vec![
             s.session_id.to_string(),
@@ -256,6 +264,7 @@ pub fn sessions(list: &pb::ListSessionsResponse) -> String {
             bytes(tier_bytes(s, "dram")),
             bytes(tier_bytes(s, "flash")),
             duration_ms(s.idle_ms),
+            s.stuck_pins.to_string(),
         ]);
     }
     t.render()
@@ -287,6 +296,14 @@ pub fn session(s: &pb::SessionInfo) -> String {
         s.dropped_pages
     );
     let _ = writeln!(out, "  idle {}, attached {} ago", duration_ms(s.idle_ms), duration_ms(s.attached_ms));
+    if s.stuck_pins > 0 {
+        let _ = writeln!(
+            out,
+            "  stuck pins: {} page(s) held pinned past the pin lease, the longest for {}",
+            s.stuck_pins,
+            duration_ms(s.longest_pin_ms)
+        );
+    }
     out.push('\n');
     let mut t = Table::new(&["TIER", "FORMAT", "PAGES", "BYTES"]).right(&[2, 3]);
     for tier in &s.tiers {

@@ -19,6 +19,10 @@ use crate::policy::precision::{Floors, LayerFloor, PrecisionPolicy, Ranking};
 pub const DEFAULT_DEVICE_BUDGET: &str = "25%";
 /// How long an fd token stays valid after `Attach`.
 pub const DEFAULT_FD_TOKEN_TTL_MS: u64 = 10_000;
+/// Default pin lease: a page held pinned this long without an unpin is reported as stuck.
+pub const DEFAULT_PIN_LEASE_MS: u64 = 10_000;
+/// The pin leases an operator may set, in milliseconds.
+pub const PIN_LEASE_RANGE_MS: std::ops::RangeInclusive<u64> = 200..=3_600_000;
 /// How often the compactor looks for holes below the arena's high-water mark.
 pub const DEFAULT_COMPACTION_INTERVAL_MS: u64 = 1_000;
 /// Default share of `MemAvailable` given to the DRAM tier (the daemon's private pool).
@@ -39,6 +43,9 @@ pub struct FileConfig {
     pub admin_group: Option<String>,
     /// Lifetime of a one-time fd token, in milliseconds.
     pub fd_token_ttl_ms: Option<u64>,
+    /// How long a client may hold one pin on a page before the page is reported as stuck, in
+    /// milliseconds.
+    pub pin_lease_ms: Option<u64>,
     /// Log filter in `tracing` syntax, e.g. `info` or `kvmm_daemon=debug`.
     pub log: Option<String>,
     /// Arena compaction.
@@ -203,6 +210,8 @@ pub struct Overrides {
     pub admin_group: Option<String>,
     /// `--fd-token-ttl-ms`.
     pub fd_token_ttl_ms: Option<u64>,
+    /// `--pin-lease-ms`.
+    pub pin_lease_ms: Option<u64>,
     /// `--log`.
     pub log: Option<String>,
     /// `--compaction-interval-ms`.
@@ -244,6 +253,8 @@ pub struct Resolved {
     pub admin_group: Option<String>,
     /// Lifetime of fd tokens.
     pub fd_token_ttl: std::time::Duration,
+    /// How long one pin may be held before its page is reported as stuck.
+    pub pin_lease: std::time::Duration,
     /// Log filter.
     pub log: String,
     /// Compaction period; `None` disables it.
@@ -320,6 +331,7 @@ impl Resolved {
                 self.admin_group.as_deref().unwrap_or("(none: root and kvmmd's own user only)")
             ),
             format!("fd_token_ttl_ms = {}", self.fd_token_ttl.as_millis()),
+            format!("pin_lease_ms = {}", self.pin_lease.as_millis()),
             format!("compaction_interval_ms = {}", self.compaction_interval.map_or(0, |d| d.as_millis())),
             format!("log = {}", self.log),
             format!("tiers.dram_budget = {}", size(t.dram_budget)),
@@ -391,6 +403,14 @@ impl FileConfig {
                 "fd_token_ttl_ms is {ttl_ms}; it must be between 100 and 600000 milliseconds"
             )));
         }
+        let lease_ms = cli.pin_lease_ms.or(self.pin_lease_ms).unwrap_or(DEFAULT_PIN_LEASE_MS);
+        if !PIN_LEASE_RANGE_MS.contains(&lease_ms) {
+            return Err(Error::InvalidArgument(format!(
+                "pin_lease_ms is {lease_ms}; it must be between {} and {} milliseconds",
+                PIN_LEASE_RANGE_MS.start(),
+                PIN_LEASE_RANGE_MS.end()
+            )));
+        }
         let interval = cli
             .compaction_interval_ms
             .or(self.compaction.and_then(|c| c.interval_ms))
@@ -405,6 +425,7 @@ impl FileConfig {
             admin_gid,
             admin_group,
             fd_token_ttl: std::time::Duration::from_millis(ttl_ms),
+            pin_lease: std::time::Duration::from_millis(lease_ms),
             log: cli.log.or(self.log).unwrap_or_else(|| "info".to_owned()),
             compaction_interval: (interval > 0).then(|| std::time::Duration::from_millis(interval)),
             debug_move_churn: cli.debug_move_churn,
@@ -929,6 +950,24 @@ mod tests {
             .resolve(Overrides::default(), &env(0))
             .unwrap();
         assert_eq!(root.tiers.flash_path, PathBuf::from("/var/lib/kvmm/kvmm.flash"));
+    }
+
+    #[test]
+    fn the_pin_lease_defaults_to_ten_seconds_and_stays_in_its_range() {
+        let r = FileConfig::default().resolve(Overrides::default(), &env(0)).unwrap();
+        assert_eq!(r.pin_lease, std::time::Duration::from_secs(10));
+        let file = FileConfig::parse("pin_lease_ms = 2500\n").unwrap();
+        assert_eq!(file.clone().resolve(Overrides::default(), &env(0)).unwrap().pin_lease.as_millis(), 2500);
+        let cli = Overrides { pin_lease_ms: Some(400), ..Default::default() };
+        assert_eq!(file.resolve(cli, &env(0)).unwrap().pin_lease.as_millis(), 400, "the command line wins");
+        for bad in [0, 199, 3_600_001] {
+            let cli = Overrides { pin_lease_ms: Some(bad), ..Default::default() };
+            let err = FileConfig::default().resolve(cli, &env(0)).unwrap_err().to_string();
+            assert!(
+                err.contains(&format!("pin_lease_ms is {bad}")) && err.contains("between 200 and 3600000"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -33,6 +33,7 @@ use crate::pool::quarantine::Quarantine;
 use crate::pool::{Frame, Pool};
 use crate::server::conn::{ConnId, ConnInfo};
 use crate::session::page_table::Place;
+use crate::session::pins::{PinWatch, SessionPins};
 use crate::session::{Counters, Owner, PageTable, Priority, Quota, Registry, Session};
 
 /// The most pages one session may address (its table then takes 32 MiB); bounds what one attach costs.
@@ -75,6 +76,8 @@ pub struct Core {
     /// no other move takes them meanwhile, so concurrent moves (the flash drain, a request making
     /// room) neither write a page twice nor count its bytes as room twice.
     pub outbound: HashSet<PageRef>,
+    /// Pages clients hold pinned, across the pin watch's scans: which of them are stuck.
+    pub pins: PinWatch,
 }
 
 /// The daemon: configuration, the locked core, and the shutdown flag.
@@ -181,6 +184,8 @@ pub struct SessionStats {
     pub dropped_pages: u64,
     /// The owning process's name at attach.
     pub owner_name: String,
+    /// Pages held pinned past the pin lease.
+    pub stuck_pins: u32,
     /// Blocks allocated per layer.
     pub allocated_blocks: u32,
     /// Tokens published by the client (minimum over layers).
@@ -217,6 +222,8 @@ pub struct Status {
     pub moves: u64,
     /// Moves skipped on a pin.
     pub moves_skipped_pinned: u64,
+    /// Pages held pinned past the pin lease, as of the last scan.
+    pub stuck_pins: u32,
     /// Per tier below the device: its counters.
     pub dram: Option<TierStats>,
     pub flash: Option<TierStats>,
@@ -263,6 +270,7 @@ impl Daemon {
         };
         let policy = Mutex::new(LivePolicy::new(&config));
         let metrics = Metrics::new(io_engine.as_ref().map(|(kind, _)| kind.name()));
+        let pins = PinWatch::new(config.pin_lease);
         Ok(Arc::new(Daemon {
             policy,
             metrics: metrics.clone(),
@@ -280,6 +288,7 @@ impl Daemon {
                 reserved: tiering::Reserved::default(),
                 quarantine: Quarantine::default(),
                 outbound: HashSet::new(),
+                pins,
             }),
             shutting_down: AtomicBool::new(false),
             draining: AtomicBool::new(false),
@@ -435,9 +444,9 @@ impl Daemon {
         let core = self.core.lock();
         if let Some(id) = only {
             let s = core.sessions.get_unchecked(id).ok_or(Error::UnknownSession(id))?;
-            return Ok(vec![SessionInfo::of(s)]);
+            return Ok(vec![SessionInfo::of(s, &core.pins)]);
         }
-        Ok(core.sessions.iter().map(SessionInfo::of).collect())
+        Ok(core.sessions.iter().map(|s| SessionInfo::of(s, &core.pins)).collect())
     }
 
     /// Pages and bytes per tier and format over every session.
@@ -674,7 +683,8 @@ impl Daemon {
         }
     }
 
-    /// Frees the held frames of destroyed sessions whose client has let go of its pin (tier thread).
+    /// Frees the held frames of destroyed sessions whose client has let go of its pin (the tier
+    /// thread and the pin watch).
     pub fn release_quarantined(&self) {
         let mut core = self.core.lock();
         let core = &mut *core;
@@ -728,6 +738,7 @@ impl Daemon {
             quota: s.quota,
             dropped_pages: s.pages.dropped(),
             owner_name: s.owner.name.clone(),
+            stuck_pins: core.pins.session(session_id).stuck,
             allocated_blocks: s.pages.allocated_blocks(),
             tokens: s.tokens(),
             device_bytes: s.pages.bytes(),
@@ -1018,6 +1029,7 @@ impl Daemon {
             trust_domains: core.pool.arena_count() as u32,
             moves: core.moves,
             moves_skipped_pinned: core.moves_skipped_pinned,
+            stuck_pins: core.pins.total(),
             dram: core.dram.as_ref().map(Tier::stats),
             flash: self.flash.as_ref().map(|f| f.lock().stats()),
             io_engine: self.io_engine.clone(),
@@ -1133,10 +1145,11 @@ pub struct SessionInfo {
     pub dropped_pages: u64,
     pub idle: std::time::Duration,
     pub attached: std::time::Duration,
+    pub pins: SessionPins,
 }
 
 impl SessionInfo {
-    fn of(s: &Session) -> SessionInfo {
+    fn of(s: &Session, pins: &PinWatch) -> SessionInfo {
         SessionInfo {
             id: s.id,
             uid: s.owner.uid,
@@ -1151,6 +1164,7 @@ impl SessionInfo {
             dropped_pages: s.pages.dropped(),
             idle: s.last_access.elapsed(),
             attached: s.attached_at.elapsed(),
+            pins: pins.session(s.id),
         }
     }
 }
@@ -1210,6 +1224,7 @@ fn destroy(
 ) -> Result<WipeReport> {
     let Some(mut s) = core.sessions.remove(id) else { return Ok(WipeReport::default()) };
     core.tokens.remove(id);
+    core.pins.forget(id);
     let mut report = WipeReport { sessions: 1, ..WipeReport::default() };
     // The status first, ordered before every write below: a client still running (a wipe) may be
     // reading pages it pinned before the wipe, which are zeroed under it; it looks at the status

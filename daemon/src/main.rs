@@ -28,6 +28,10 @@ struct Cli {
     /// Lifetime of the one-time fd token, in milliseconds [default: 10000].
     #[arg(long, value_name = "MS")]
     fd_token_ttl_ms: Option<u64>,
+    /// How long a client may hold one pin on a page before the page is reported as stuck, in
+    /// milliseconds (200..=3600000) [default: 10000].
+    #[arg(long, value_name = "MS")]
+    pin_lease_ms: Option<u64>,
     /// Milliseconds between arena compaction passes; 0 disables [default: 1000].
     #[arg(long, value_name = "MS")]
     compaction_interval_ms: Option<u64>,
@@ -99,6 +103,7 @@ fn run(cli: Cli, arenas: kvmm_daemon::malloc::ArenaCap) -> anyhow::Result<()> {
         device_budget: cli.device_budget,
         admin_group: cli.admin_group,
         fd_token_ttl_ms: cli.fd_token_ttl_ms,
+        pin_lease_ms: cli.pin_lease_ms,
         log: cli.log,
         compaction_interval_ms: cli.compaction_interval_ms,
         debug_move_churn: cli.debug_move_churn,

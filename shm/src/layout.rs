@@ -8,7 +8,7 @@
 //!  session table (daemon writes; sealed SHRINK | GROW | FUTURE_WRITE | SEAL, clients map it read-only)
 //!
 //!  byte 0   +-------------------------------- TableHeader, 128 B --------------------------------+
-//!           |  0 magic u64 "KVMMTABL"      |  8 abi_version u32 = 2  | 12 header_bytes u32 = 128  |
+//!           |  0 magic u64 "KVMMTABL"      |  8 abi_version u32 = 3  | 12 header_bytes u32 = 128  |
 //!           | 16 session_id u64            | 24 layers u32           | 28 blocks_per_layer u32    |
 //!           | 32 kv_heads u32              | 36 q_heads u32          | 40 head_dim u32            |
 //!           | 44 block_tokens u32          | 48 element_type u32     | 52 entry_bytes u32 = 32    |
@@ -27,15 +27,20 @@
 //!  client region (client writes; sealed SHRINK | GROW | SEAL, mapped read-write by both)
 //!
 //!  byte 0   +------------------------------- header, 64 B -------------------------------------+
-//!           |  0 magic u64 "KVMMCLNT"      |  8 abi_version u32 = 2  | 12 header_bytes u32 = 64   |
+//!           |  0 magic u64 "KVMMCLNT"      |  8 abi_version u32 = 3  | 12 header_bytes u32 = 64   |
 //!           | 16 entry_bytes u32 = 16      | 20 layers u32           | 24 blocks_per_layer u32    |
 //!           | 28..64 reserved (0)                                                                |
 //!  byte 64  +----------------------------- ClientEntry, 16 B each ------------------------------+
-//!           |  0 pins u32 | 4 tokens u32 | 8 importance u32 (f32 bits) | 12 spare u32 (all atomic) |
+//!           |  0 pins u32 | 4 tokens u32 | 8 importance u32 (f32 bits) | 12 unpins u32 (all atomic) |
 //!           +------------------ entry of (layer, block) at 64 + 16 × (layer × B + block) --------+
 //!
 //!  B = blocks_per_layer = ceil(max_tokens / block_tokens)
 //! ```
+//!
+//! `unpins` (ABI version 3) counts the client's unpins of the page, wrapping: a page whose `pins`
+//! stay above zero while `unpins` stands still holds the same pin, which the daemon reports as stuck
+//! once it outlasts the pin lease. A client that pins and unpins all the time moves the count, so
+//! a busy page is never taken for a stuck one.
 //!
 //! Who writes what: the table header is written once, by the daemon, before the memfd is sealed and
 //! handed out; afterwards only `status` changes. Daemon entries are written only by the daemon (the
@@ -63,7 +68,7 @@ use crate::state::{PageFlags, unpack_state};
 const _: () = assert!(cfg!(target_endian = "little"), "the kvmm shared-memory ABI is little-endian");
 
 /// Version of everything in this file; bumped on any change.
-pub const ABI_VERSION: u32 = 2;
+pub const ABI_VERSION: u32 = 3;
 /// `magic` of a session table: `"KVMMTABL"` read as a little-endian u64.
 pub const TABLE_MAGIC: u64 = u64::from_le_bytes(*b"KVMMTABL");
 /// `magic` of a client region: `"KVMMCLNT"` read as a little-endian u64.
@@ -327,14 +332,16 @@ pub struct ClientEntry {
     tokens: AtomicU32,
     /// Attention mass the client's kernels accumulated for the page (f32 bits).
     importance: AtomicU32,
-    /// Zero; room for later versions.
-    _spare: AtomicU32,
+    /// Unpins the client made, wrapping (module doc): the daemon tells a pin held from one taken
+    /// again by whether this moved.
+    unpins: AtomicU32,
 }
 
 const _: () = assert!(size_of::<ClientEntry>() == CLIENT_ENTRY_BYTES as usize);
 const _: () = assert!(align_of::<ClientEntry>() == 16);
 const _: () = assert!(offset_of!(ClientEntry, tokens) == 4);
 const _: () = assert!(offset_of!(ClientEntry, importance) == 8);
+const _: () = assert!(offset_of!(ClientEntry, unpins) == 12);
 
 impl ClientEntry {
     /// Pins currently announced (relaxed; for reporting stuck pins).
@@ -342,9 +349,10 @@ impl ClientEntry {
         self.pins.load(Ordering::Relaxed)
     }
 
-    /// Pins `page` (announce, fence, check); see [`crate::protocol::pin`].
+    /// Pins `page` (announce, fence, check); see [`crate::protocol::pin`]. A pin that fails was
+    /// taken back, which counts as an unpin.
     pub fn pin(&self, page: &DaemonEntry) -> PinOutcome {
-        protocol::pin(&self.pins, &page.state)
+        self.counted(protocol::pin(&self.pins, &page.state))
     }
 
     /// Announces a pin without the fence, for batches; see [`crate::protocol::pin_announce`].
@@ -352,14 +360,35 @@ impl ClientEntry {
         protocol::pin_announce(&self.pins);
     }
 
-    /// Checks `page` after [`crate::protocol::pin_fence`]; see [`crate::protocol::pin_check`].
+    /// Checks `page` after [`crate::protocol::pin_fence`]; see [`crate::protocol::pin_check`]. A
+    /// pin that fails was taken back, which counts as an unpin.
     pub fn pin_check(&self, page: &DaemonEntry) -> PinOutcome {
-        protocol::pin_check(&self.pins, &page.state)
+        self.counted(protocol::pin_check(&self.pins, &page.state))
     }
 
-    /// Releases a pin; see [`crate::protocol::unpin`].
+    /// Releases a pin; see [`crate::protocol::unpin`]. Counts it in `unpins` first.
     pub fn unpin(&self) {
+        self.count_unpin();
         protocol::unpin(&self.pins);
+    }
+
+    /// Counts a pin the protocol took back (any outcome but `Pinned`).
+    fn counted(&self, outcome: PinOutcome) -> PinOutcome {
+        if !outcome.is_pinned() {
+            self.count_unpin();
+        }
+        outcome
+    }
+
+    /// Moves `unpins` on: a plain load and store, not a locked add (two threads unpinning at once
+    /// may count one, which still moves the count).
+    fn count_unpin(&self) {
+        self.unpins.store(self.unpins.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+    }
+
+    /// Unpins counted so far (relaxed, wrapping; for telling a stuck pin from a busy page).
+    pub fn unpins(&self) -> u32 {
+        self.unpins.load(Ordering::Relaxed)
     }
 
     /// Tokens in the page (`Acquire`: the rows the count covers are visible). Unclamped: the
@@ -532,7 +561,7 @@ mod tests {
             pins: AtomicU32::new(0),
             tokens: AtomicU32::new(0),
             importance: AtomicU32::new(0),
-            _spare: AtomicU32::new(0),
+            unpins: AtomicU32::new(0),
         };
         e.publish_tokens(1_000_000);
         assert_eq!(e.tokens_clamped(32), 32);
@@ -542,5 +571,32 @@ mod tests {
         }
         e.set_importance(0.25);
         assert_eq!(e.importance_clamped(), 0.25);
+    }
+
+    #[test]
+    fn an_unpin_or_a_failed_pin_moves_the_unpin_count_and_a_pin_does_not() {
+        let page = DaemonEntry {
+            state: AtomicU64::new(crate::state::pack_state(1, PageFlags::ALLOCATED | PageFlags::RESIDENT)),
+            offset: AtomicU64::new(0),
+            len: AtomicU32::new(0),
+            format_tier: AtomicU32::new(0),
+            _reserved: [AtomicU32::new(0), AtomicU32::new(0)],
+        };
+        let e = ClientEntry {
+            pins: AtomicU32::new(0),
+            tokens: AtomicU32::new(0),
+            importance: AtomicU32::new(0),
+            unpins: AtomicU32::new(u32::MAX),
+        };
+        assert!(e.pin(&page).is_pinned());
+        assert!(e.pin(&page).is_pinned());
+        assert_eq!((e.pins(), e.unpins()), (2, u32::MAX), "pins alone leave the count");
+        e.unpin();
+        assert_eq!((e.pins(), e.unpins()), (1, 0), "an unpin counts, wrapping");
+        e.unpin();
+        assert_eq!((e.pins(), e.unpins()), (0, 1));
+        page.state.store(crate::state::pack_state(1, PageFlags::ALLOCATED), Ordering::Relaxed);
+        assert!(!e.pin(&page).is_pinned(), "a page that is not resident does not pin");
+        assert_eq!((e.pins(), e.unpins()), (0, 2), "the pin taken back counts as an unpin");
     }
 }

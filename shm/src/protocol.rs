@@ -47,8 +47,9 @@
 //!
 //! **What a misbehaving client can do.** It writes only its own `pins` (and token counts and
 //! importance, which the daemon clamps). Pinning forever keeps its own pages from being moved — the
-//! daemon never waits on a pin; it skips the page and, past a lease deadline, reports it as a stuck
-//! pin and may revoke the session. Lying about pins (unpinning early, or writing zero) lets the
+//! daemon never waits on a pin; it skips the page and, once one pin has been held past the pin
+//! lease (the client's unpin count, [`crate::layout::ClientEntry::unpins`], standing still), reports
+//! it as a stuck pin, and an operator may revoke the session with a wipe. Lying about pins (unpinning early, or writing zero) lets the
 //! daemon move a page the client is still reading, which only corrupts that client's own view: the
 //! old frame may already hold another page of the same trust domain, whose arena the client has
 //! mapped anyway. The daemon never reads a location, or anything else that decides where it writes,

@@ -4,7 +4,8 @@
 //! scraped through the admin `Metrics` RPC before and after a workload that demotes pages to DRAM
 //! (q8 by default, so the quantization error is sampled) and to flash, faults them back from both,
 //! hits RESOURCE_EXHAUSTED (an `Extend` past a quota), fails a page's authentication (a flipped
-//! byte on flash) and enters thermal mode (the zone passes its passive trip). The families are
+//! byte on flash), enters thermal mode (the zone passes its passive trip) and holds a pin past the
+//! pin lease (a client that never unpins its page). The families are
 //! listed from the first scrape's `# TYPE` lines, that is from the registry itself, so a family
 //! added without a workload that moves it fails this test.
 
@@ -105,7 +106,11 @@ fn every_declared_metric_moves_under_a_workload() {
     fake_host(host.path());
     let flash = tempfile::tempdir().unwrap();
     let host_root = host.path().to_str().unwrap();
-    let daemon = Daemon::start_tiered("8MiB", flash.path(), &["--host-root", host_root, "--policy-interval-ms", "100"]);
+    let daemon = Daemon::start_tiered(
+        "8MiB",
+        flash.path(),
+        &["--host-root", host_root, "--policy-interval-ms", "100", "--pin-lease-ms", "200"],
+    );
     let (s, _) = daemon.wait_status(Duration::from_secs(10), |s| {
         s.policy.as_ref().is_some_and(|p| p.mode == "performance" && p.mode_changes > 0)
     });
@@ -148,6 +153,11 @@ fn every_declared_metric_moves_under_a_workload() {
         daemon.wait_status(Duration::from_secs(10), |s| s.policy.as_ref().is_some_and(|p| p.mode == "thermal"));
     assert_eq!(s.policy.unwrap().mode, "thermal");
 
+    // A pin held past the lease.
+    let mut holder = spawn_client("hold-pin", &daemon, &["--layers", "1"]);
+    holder.expect_line("pinned");
+    daemon.wait_status(Duration::from_secs(10), |s| s.stuck_pins == 1);
+
     let after = parse(&metrics_text(&daemon));
     let declared: BTreeSet<&String> = before.keys().collect();
     assert_eq!(declared, after.keys().collect(), "the registry declares the same families on every scrape");
@@ -184,17 +194,19 @@ fn every_declared_metric_moves_under_a_workload() {
         )
     };
     assert!(flash_bytes("read") > 0.0 && flash_bytes("written") > 0.0);
-    // Client a alone is still attached, its 2 layers × 12 pages (extended 4 at a time) all back
-    // on the device.
-    assert_eq!(value(&after, "kvmm_daemon_sessions", "kvmm_daemon_sessions"), 1.0);
+    // Client a is still attached, its 2 layers × 12 pages (extended 4 at a time) all back on the
+    // device, and so is the holder with its one pinned page.
+    assert_eq!(value(&after, "kvmm_daemon_sessions", "kvmm_daemon_sessions"), 2.0);
+    assert_eq!(value(&after, "kvmm_daemon_stuck_pins", "kvmm_daemon_stuck_pins"), 1.0);
     let device_pages: f64 =
         after["kvmm_tier_pages"].iter().filter(|(k, _)| k.contains("tier=\"device\"")).map(|(_, v)| v).sum();
-    assert_eq!(device_pages, 24.0);
+    assert_eq!(device_pages, 25.0);
 
     // The RPC spans name the session in the lines logged on its behalf.
     let log = daemon.log();
     assert!(log.contains(&format!("Fault{{session={session_b}")) && log.contains("page lost"), "{log}");
     a.send("exit");
     a.expect_line("detached");
+    holder.send("exit");
     assert!(daemon.stop().success());
 }

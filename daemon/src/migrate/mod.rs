@@ -107,6 +107,71 @@ pub async fn churn_task(daemon: Arc<Daemon>) {
 /// How often the tier task looks at the watermarks when nothing wakes it.
 const TIER_TICK: Duration = Duration::from_millis(20);
 
+/// How often the pin counts are read for `lease`: a quarter of it, within 50 ms to 1 s (a stuck
+/// pin is reported at most a quarter of its lease late).
+fn pin_scan_every(lease: Duration) -> Duration {
+    (lease / 4).clamp(Duration::from_millis(50), Duration::from_secs(1))
+}
+
+/// Reads the pin counts ([`watch_pins`]) every [`pin_scan_every`] the lease until the daemon shuts
+/// down, on the blocking pool (a scan holds the core lock for as long as it reads every page), and
+/// frees the held frames whose pin went ([`Daemon::release_quarantined`]; the tier thread does too,
+/// more often, but it runs only with a tier below the device).
+pub async fn pin_watch_task(daemon: Arc<Daemon>) {
+    let every = pin_scan_every(daemon.config.pin_lease);
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while !daemon.is_shutting_down() {
+        tick.tick().await;
+        let scanning = daemon.clone();
+        let scan = tokio::task::spawn_blocking(move || {
+            watch_pins(&mut scanning.core.lock(), Instant::now());
+            scanning.release_quarantined();
+        })
+        .await;
+        if let Err(e) = scan {
+            tracing::error!(error = %e, "the pin watch failed");
+        }
+    }
+}
+
+/// Reads the pin and unpin counts of every allocated page from the client regions, feeds them to
+/// the pin watch ([`crate::session::pins`]) and logs each pin that crossed the lease in this scan.
+/// Under the core lock: two relaxed loads per page, and a map entry per pinned page.
+pub fn watch_pins(core: &mut crate::daemon::Core, now: Instant) {
+    let crate::daemon::Core { sessions, pins, .. } = core;
+    let mut pinned = Vec::new();
+    let mut pages = 0;
+    for s in sessions.iter() {
+        let blocks = s.pages.allocated_blocks() as usize;
+        for layer in 0..s.geometry.layers {
+            let Ok(entries) = s.region.entries_of_layer(layer) else { continue };
+            pages += blocks.min(entries.len());
+            for (block, e) in (0u32..).zip(entries.iter().take(blocks)) {
+                if e.pins() != 0 {
+                    pinned.push((tiering::PageRef { session: s.id, layer, block }, e.unpins()));
+                }
+            }
+        }
+    }
+    tracing::trace!(pages, pinned = pinned.len(), took_us = now.elapsed().as_micros() as u64, "pin scan");
+    for stuck in pins.observe(now, pinned) {
+        let r = stuck.page;
+        let (uid, pid) = sessions.get_unchecked(r.session).map_or((0, 0), |s| (s.owner.uid, s.owner.pid));
+        tracing::warn!(
+            session = r.session,
+            layer = r.layer,
+            block = r.block,
+            uid,
+            pid,
+            held_ms = stuck.held.as_millis() as u64,
+            lease_ms = pins.lease().as_millis() as u64,
+            "a page has been pinned past the pin lease without an unpin: it cannot move until its client unpins it; \
+             `kvmmctl wipe SESSION` revokes the session"
+        );
+    }
+}
+
 /// What the tier mover and the flash drain share: the byte budgets of background migration (the
 /// background limit covers what both move, the flash-write limit what the drain writes) and the
 /// drain's wake-up.

@@ -260,6 +260,8 @@ impl pb::admin_server::Admin for AdminService {
             background_bytes: s.tier_counters.background_bytes,
             policy: Some(policy_status(&self.daemon.policy.lock().view())),
             draining: self.daemon.is_draining(),
+            stuck_pins: s.stuck_pins,
+            pin_lease_ms: self.daemon.config.pin_lease.as_millis() as u64,
         }))
     }
 }
@@ -302,6 +304,8 @@ fn session_info(s: SessionInfo) -> pb::SessionInfo {
         dropped_pages: s.dropped_pages,
         idle_ms: s.idle.as_millis() as u64,
         attached_ms: s.attached.as_millis() as u64,
+        stuck_pins: s.pins.stuck,
+        longest_pin_ms: s.pins.longest.as_millis() as u64,
     }
 }
 

@@ -252,7 +252,10 @@ pub async fn run(daemon: Arc<Daemon>, mut dir: RuntimeDir, passed: Vec<PassedFd>
         let daemon = daemon.clone();
         tokio::task::spawn_blocking(move || crate::fdpass::serve(daemon, fd_listener))
     };
-    let mut background = vec![tokio::spawn(crate::prefault::prefault_task(daemon.clone()))];
+    let mut background = vec![
+        tokio::spawn(crate::prefault::prefault_task(daemon.clone())),
+        tokio::spawn(crate::migrate::pin_watch_task(daemon.clone())),
+    ];
     if let Some(interval) = daemon.config.compaction_interval {
         background.push(tokio::spawn(crate::migrate::compaction_task(daemon.clone(), interval)));
     }

@@ -238,6 +238,7 @@ impl pb::session_server::Session for SessionService {
             evict: s.quota.evict,
             dropped_pages: s.dropped_pages,
             owner_name: s.owner_name,
+            stuck_pins: s.stuck_pins,
         }))
     }
 }

@@ -2,6 +2,7 @@
 //! shared-memory views it publishes.
 
 pub mod page_table;
+pub mod pins;
 pub mod registry;
 
 use std::collections::HashMap;
