@@ -314,8 +314,10 @@ impl Session {
     }
 
     fn check_layer(&self, layer: u32) -> Result<()> {
-        if self.table.status().is_ok_and(|s| s == kvmm_shm::TableStatus::Wiped) {
-            return Err(self.wiped());
+        if let Ok(status) = self.table.status()
+            && status.is_wiped()
+        {
+            return Err(self.wiped(status));
         }
         if layer >= self.geometry.layers {
             return Err(Error::InvalidArgument(format!(
@@ -326,12 +328,15 @@ impl Session {
         Ok(())
     }
 
-    /// The error of every call on a wiped session.
-    fn wiped(&self) -> Error {
-        Error::FailedPrecondition(format!(
-            "session {} was wiped by an administrator; its data is gone: attach a new session",
-            self.id
-        ))
+    /// The error of every call on a wiped (or revoked) session.
+    fn wiped(&self, status: kvmm_shm::TableStatus) -> Error {
+        let by = match status {
+            kvmm_shm::TableStatus::Revoked => {
+                "revoked by kvmmd because one of its pages stayed pinned past the daemon's pin lease"
+            }
+            _ => "wiped by an administrator",
+        };
+        Error::FailedPrecondition(format!("session {} was {by}; its data is gone: attach a new session", self.id))
     }
 
     /// A wipe zeroes and frees the session's frames even while they are pinned, so every access to
@@ -339,8 +344,10 @@ impl Session {
     /// it touches a frame), whatever the access read or wrote is void and the call fails with
     /// `FAILED_PRECONDITION`, whether the access itself succeeded or tripped over a zeroed page.
     fn after_pinned_access<T>(&self, result: Result<T>) -> Result<T> {
-        if self.table.status_after_access().is_ok_and(|s| s == kvmm_shm::TableStatus::Wiped) {
-            return Err(self.wiped());
+        if let Ok(status) = self.table.status_after_access()
+            && status.is_wiped()
+        {
+            return Err(self.wiped(status));
         }
         result
     }

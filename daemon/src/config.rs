@@ -46,6 +46,9 @@ pub struct FileConfig {
     /// How long a client may hold one pin on a page before the page is reported as stuck, in
     /// milliseconds.
     pub pin_lease_ms: Option<u64>,
+    /// Whether kvmmd revokes (wipes) a session once one of its pages has stayed pinned past the pin
+    /// lease, rather than only reporting it.
+    pub revoke_stuck_pins: Option<bool>,
     /// Log filter in `tracing` syntax, e.g. `info` or `kvmm_daemon=debug`.
     pub log: Option<String>,
     /// Arena compaction.
@@ -212,6 +215,8 @@ pub struct Overrides {
     pub fd_token_ttl_ms: Option<u64>,
     /// `--pin-lease-ms`.
     pub pin_lease_ms: Option<u64>,
+    /// `--revoke-stuck-pins` (turns it on over the file).
+    pub revoke_stuck_pins: bool,
     /// `--log`.
     pub log: Option<String>,
     /// `--compaction-interval-ms`.
@@ -255,6 +260,8 @@ pub struct Resolved {
     pub fd_token_ttl: std::time::Duration,
     /// How long one pin may be held before its page is reported as stuck.
     pub pin_lease: std::time::Duration,
+    /// Whether a session with a stuck pin is revoked (wiped) rather than only reported.
+    pub revoke_stuck_pins: bool,
     /// Log filter.
     pub log: String,
     /// Compaction period; `None` disables it.
@@ -332,6 +339,7 @@ impl Resolved {
             ),
             format!("fd_token_ttl_ms = {}", self.fd_token_ttl.as_millis()),
             format!("pin_lease_ms = {}", self.pin_lease.as_millis()),
+            format!("revoke_stuck_pins = {}", self.revoke_stuck_pins),
             format!("compaction_interval_ms = {}", self.compaction_interval.map_or(0, |d| d.as_millis())),
             format!("log = {}", self.log),
             format!("tiers.dram_budget = {}", size(t.dram_budget)),
@@ -426,6 +434,7 @@ impl FileConfig {
             admin_group,
             fd_token_ttl: std::time::Duration::from_millis(ttl_ms),
             pin_lease: std::time::Duration::from_millis(lease_ms),
+            revoke_stuck_pins: cli.revoke_stuck_pins || self.revoke_stuck_pins.unwrap_or(false),
             log: cli.log.or(self.log).unwrap_or_else(|| "info".to_owned()),
             compaction_interval: (interval > 0).then(|| std::time::Duration::from_millis(interval)),
             debug_move_churn: cli.debug_move_churn,
@@ -959,7 +968,13 @@ mod tests {
         let file = FileConfig::parse("pin_lease_ms = 2500\n").unwrap();
         assert_eq!(file.clone().resolve(Overrides::default(), &env(0)).unwrap().pin_lease.as_millis(), 2500);
         let cli = Overrides { pin_lease_ms: Some(400), ..Default::default() };
-        assert_eq!(file.resolve(cli, &env(0)).unwrap().pin_lease.as_millis(), 400, "the command line wins");
+        let r = file.resolve(cli, &env(0)).unwrap();
+        assert_eq!(r.pin_lease.as_millis(), 400, "the command line wins");
+        assert!(!r.revoke_stuck_pins, "report only by default");
+        let file = FileConfig::parse("revoke_stuck_pins = true\n").unwrap();
+        assert!(file.resolve(Overrides::default(), &env(0)).unwrap().revoke_stuck_pins);
+        let cli = Overrides { revoke_stuck_pins: true, ..Default::default() };
+        assert!(FileConfig::default().resolve(cli, &env(0)).unwrap().revoke_stuck_pins);
         for bad in [0, 199, 3_600_001] {
             let cli = Overrides { pin_lease_ms: Some(bad), ..Default::default() };
             let err = FileConfig::default().resolve(cli, &env(0)).unwrap_err().to_string();

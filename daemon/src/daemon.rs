@@ -34,6 +34,7 @@ use crate::pool::{Frame, Pool};
 use crate::server::conn::{ConnId, ConnInfo};
 use crate::session::page_table::Place;
 use crate::session::pins::{PinWatch, SessionPins};
+use crate::session::registry::WipedBy;
 use crate::session::{Counters, Owner, PageTable, Priority, Quota, Registry, Session};
 
 /// The most pages one session may address (its table then takes 32 MiB); bounds what one attach costs.
@@ -626,7 +627,7 @@ impl Daemon {
         let mut core = self.core.lock();
         let ids = match which {
             WipeScope::Session(id) if as_owner => vec![core.sessions.get(id, by.uid, by.id)?.id],
-            WipeScope::Session(id) if core.sessions.was_wiped(id) => return Err(Error::Wiped(id)),
+            WipeScope::Session(id) if let Some(gone) = core.sessions.wiped(id) => return Err(gone),
             WipeScope::Session(id) => vec![core.sessions.get_unchecked(id).ok_or(Error::UnknownSession(id))?.id],
             _ if as_owner => {
                 return Err(Error::PermissionDenied(
@@ -642,7 +643,7 @@ impl Daemon {
         for id in ids {
             let Some(uid) = core.sessions.get_unchecked(id).map(|s| s.owner.uid) else { continue };
             let wiped = destroy(&mut core, self.flash.as_ref(), id, TableStatus::Wiped, !as_owner)?;
-            core.sessions.remember_wiped(id, uid);
+            core.sessions.remember_wiped(id, uid, WipedBy::Operator);
             crate::limited!(
                 warn,
                 session = id,
@@ -656,6 +657,28 @@ impl Daemon {
             report.sessions += 1;
         }
         Ok(report)
+    }
+
+    /// Revokes sessions one of whose pages stayed pinned past the pin lease (`revoke_stuck_pins`):
+    /// each is wiped as an operator's wipe would (its pinned frames held until the pin goes), its
+    /// table marked revoked, and its client's next call told why.
+    pub fn revoke(&self, ids: &[u64]) {
+        let mut core = self.core.lock();
+        for &id in ids {
+            let Some(uid) = core.sessions.get_unchecked(id).map(|s| s.owner.uid) else { continue };
+            match destroy(&mut core, self.flash.as_ref(), id, TableStatus::Revoked, true) {
+                Ok(wiped) => {
+                    core.sessions.remember_wiped(id, uid, WipedBy::PinLease);
+                    tracing::warn!(
+                        session = id,
+                        uid,
+                        bytes = wiped.total(),
+                        "session revoked: one of its pages stayed pinned past the pin lease"
+                    );
+                }
+                Err(e) => tracing::error!(session = id, error = %e, "revoking a session failed"),
+            }
+        }
     }
 
     /// Destroys every session attached through a connection that has closed.

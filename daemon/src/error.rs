@@ -49,6 +49,12 @@ pub enum Error {
     /// An operator wiped the session: its data is gone.
     #[error("session {0} was wiped by an administrator; its data is gone: attach a new session")]
     Wiped(u64),
+    /// kvmmd revoked the session: one of its pages stayed pinned past the pin lease.
+    #[error(
+        "session {0} was revoked by kvmmd because one of its pages stayed pinned past the daemon's pin lease; its \
+         data is gone: attach a new session"
+    )]
+    Revoked(u64),
     /// The caller is not the session's owner.
     #[error("session {session} belongs to uid {owner}; uid {caller} may not use it")]
     ForeignSession {
@@ -144,7 +150,7 @@ impl Error {
             Error::Exhausted { .. } | Error::OverQuota { .. } | Error::NothingToDrop { .. } => {
                 ErrorKind::ResourceExhausted
             }
-            Error::FailedPrecondition(_) | Error::Wiped(_) => ErrorKind::FailedPrecondition,
+            Error::FailedPrecondition(_) | Error::Wiped(_) | Error::Revoked(_) => ErrorKind::FailedPrecondition,
             Error::ShuttingDown | Error::Busy(_) => ErrorKind::Unavailable,
             Error::Shm(_) | Error::Kernel(_) | Error::Io { .. } => ErrorKind::Internal,
             Error::Tier(e) => match e {

@@ -32,6 +32,10 @@ struct Cli {
     /// milliseconds (200..=3600000) [default: 10000].
     #[arg(long, value_name = "MS")]
     pin_lease_ms: Option<u64>,
+    /// Revoke (wipe) a session once one of its pages has stayed pinned past the pin lease, rather
+    /// than only report it.
+    #[arg(long)]
+    revoke_stuck_pins: bool,
     /// Milliseconds between arena compaction passes; 0 disables [default: 1000].
     #[arg(long, value_name = "MS")]
     compaction_interval_ms: Option<u64>,
@@ -104,6 +108,7 @@ fn run(cli: Cli, arenas: kvmm_daemon::malloc::ArenaCap) -> anyhow::Result<()> {
         admin_group: cli.admin_group,
         fd_token_ttl_ms: cli.fd_token_ttl_ms,
         pin_lease_ms: cli.pin_lease_ms,
+        revoke_stuck_pins: cli.revoke_stuck_pins,
         log: cli.log,
         compaction_interval_ms: cli.compaction_interval_ms,
         debug_move_churn: cli.debug_move_churn,

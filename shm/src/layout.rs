@@ -13,7 +13,8 @@
 //!           | 32 kv_heads u32              | 36 q_heads u32          | 40 head_dim u32            |
 //!           | 44 block_tokens u32          | 48 element_type u32     | 52 entry_bytes u32 = 32    |
 //!           | 56 page_bytes u64                                                                  |
-//!           | 64 max_tokens u32            | 68 status u32 (atomic: 0 open, 1 wiped, 2 closed)    |
+//!           | 64 max_tokens u32            | 68 status u32 (atomic: 0 open, 1 wiped, 2 closed,    |
+//!           |                              |    3 revoked)                                        |
 //!           | 72..128 reserved (0)                                                               |
 //!  byte 128 +----------------------------- DaemonEntry, 32 B each ------------------------------+
 //!           |  0 state u64 (atomic) = generation << 32 | flags (ALLOCATED 1, RESIDENT 2, MIGRATING 4,|
@@ -168,7 +169,7 @@ impl TableHeader {
     pub fn status(&self) -> Result<TableStatus, ShmError> {
         let code = self.status.load(Ordering::Relaxed);
         fence(Ordering::Acquire);
-        TableStatus::from_code(code).ok_or_else(|| ShmError::layout("session table", "status", "0, 1 or 2", code))
+        TableStatus::from_code(code).ok_or_else(|| ShmError::layout("session table", "status", "0, 1, 2 or 3", code))
     }
 }
 
@@ -200,8 +201,11 @@ pub enum TableStatus {
     Open = 0,
     /// The session was wiped: its pages are zeroed and gone; stop using them.
     Wiped = 1,
-    /// The session was closed (detached or revoked).
+    /// The session was closed (detached, or its connection ended).
     Closed = 2,
+    /// The daemon revoked the session (ABI version 3): one of its pages stayed pinned past the pin
+    /// lease. Like `Wiped`: its pages are zeroed and gone; stop using them.
+    Revoked = 3,
 }
 
 impl TableStatus {
@@ -211,6 +215,7 @@ impl TableStatus {
             0 => Some(TableStatus::Open),
             1 => Some(TableStatus::Wiped),
             2 => Some(TableStatus::Closed),
+            3 => Some(TableStatus::Revoked),
             _ => None,
         }
     }
@@ -218,6 +223,11 @@ impl TableStatus {
     /// The code stored in the header.
     pub fn code(self) -> u32 {
         self as u32
+    }
+
+    /// Whether the session's pages were zeroed under its client (`Wiped` or `Revoked`).
+    pub fn is_wiped(self) -> bool {
+        matches!(self, TableStatus::Wiped | TableStatus::Revoked)
     }
 }
 
@@ -553,6 +563,15 @@ mod tests {
         let loc = PageLocation::device(4096, 32768, Format::Bf16);
         assert_eq!(loc.format_tier(), 2 | 1 << 8);
         assert_eq!(loc.format(), Some(Format::Bf16));
+    }
+
+    #[test]
+    fn every_table_status_round_trips_and_only_wiped_and_revoked_are_wiped() {
+        for status in [TableStatus::Open, TableStatus::Wiped, TableStatus::Closed, TableStatus::Revoked] {
+            assert_eq!(TableStatus::from_code(status.code()), Some(status));
+            assert_eq!(status.is_wiped(), matches!(status, TableStatus::Wiped | TableStatus::Revoked));
+        }
+        assert_eq!(TableStatus::from_code(4), None);
     }
 
     #[test]

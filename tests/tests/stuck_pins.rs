@@ -2,7 +2,8 @@
 //! `ListSessions`, the owner's `SessionStats`, the metrics, a log line), while a client that reads
 //! its only page back to back, pinned nearly all the time but never by one pin, is not; an unpin
 //! clears the report, and a wipe revokes the session. The daemon has no tier below the device, so
-//! no tier thread: the pin watch runs, and frees a wiped session's held frame, on its own.
+//! no tier thread: the pin watch runs, and frees a wiped session's held frame, on its own. With
+//! `--revoke-stuck-pins` kvmmd revokes the session itself, and its client is told why.
 
 #![allow(clippy::unwrap_used)]
 
@@ -85,6 +86,41 @@ fn a_pin_held_past_the_lease_is_reported_and_a_busy_reader_is_not() {
     assert_eq!(end["code"], "FailedPrecondition", "{end:?}");
     let attentions: u64 = end["attentions"].parse().unwrap();
     assert!(attentions > 1000, "the busy reader kept reading through the test: {end:?}");
+    holder.send("exit");
+    assert!(daemon.stop().success());
+}
+
+#[test]
+fn with_revoke_stuck_pins_the_session_holding_a_pin_past_the_lease_is_revoked_and_no_other() {
+    let lease = LEASE_MS.to_string();
+    let daemon = Daemon::start(&["--device-budget", "64MiB", "--pin-lease-ms", &lease, "--revoke-stuck-pins"]);
+    let mut busy = spawn_client("attend-spin", &daemon, &["--layers", "1", "--tokens", "32"]);
+    let busy_session: u64 = fields(&busy.expect_line("ready"))["session"].parse().unwrap();
+    let mut holder = spawn_client("hold-pin", &daemon, &["--layers", "2"]);
+    let held: u64 = fields(&holder.expect_line("pinned"))["session"].parse().unwrap();
+    holder.send("stats");
+    assert_eq!(fields(&holder.expect_line("stats"))["code"], "Ok");
+
+    // Revoked once its pin outlasts the lease: wiped, its pinned frame held, the other page freed.
+    let (s, waited) = daemon.wait_status(Duration::from_secs(10), |s| s.sessions == 1);
+    println!("the session was revoked {waited:?} after its client printed its pin");
+    assert_eq!((s.stuck_pins, s.tiers[0].reserved_frames), (0, 1), "{s:?}");
+    let log = daemon.log();
+    assert!(log.lines().any(|l| l.contains("session revoked") && l.contains(&format!("session={held}"))), "{log}");
+    // Its client is told why, on the RPC and in the session table.
+    holder.send("stats");
+    let line = holder.expect_line("stats");
+    let f = fields(&line);
+    assert_eq!((f["code"].as_str(), f["table"].as_str()), ("FailedPrecondition", "Ok(Revoked)"), "{line}");
+    assert!(line.contains("revoked by kvmmd") && line.contains("pin lease"), "{line}");
+
+    // The busy reader outlives many leases untouched.
+    std::thread::sleep(Duration::from_millis(6 * LEASE_MS));
+    assert_eq!(daemon.status().sessions, 1);
+    assert_eq!(session_info(&daemon, busy_session).stuck_pins, 0);
+    daemon.wipe_session(busy_session).unwrap();
+    let end = fields(&busy.expect_line("error"));
+    assert!(end["attentions"].parse::<u64>().unwrap() > 1000, "{end:?}");
     holder.send("exit");
     assert!(daemon.stop().success());
 }

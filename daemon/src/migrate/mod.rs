@@ -114,7 +114,8 @@ fn pin_scan_every(lease: Duration) -> Duration {
 }
 
 /// Reads the pin counts ([`watch_pins`]) every [`pin_scan_every`] the lease until the daemon shuts
-/// down, on the blocking pool (a scan holds the core lock for as long as it reads every page), and
+/// down, on the blocking pool (a scan holds the core lock for as long as it reads every page),
+/// revokes the sessions with a new stuck pin where `revoke_stuck_pins` says so, and
 /// frees the held frames whose pin went ([`Daemon::release_quarantined`]; the tier thread does too,
 /// more often, but it runs only with a tier below the device).
 pub async fn pin_watch_task(daemon: Arc<Daemon>) {
@@ -125,7 +126,10 @@ pub async fn pin_watch_task(daemon: Arc<Daemon>) {
         tick.tick().await;
         let scanning = daemon.clone();
         let scan = tokio::task::spawn_blocking(move || {
-            watch_pins(&mut scanning.core.lock(), Instant::now());
+            let stuck = watch_pins(&mut scanning.core.lock(), Instant::now());
+            if scanning.config.revoke_stuck_pins {
+                scanning.revoke(&stuck);
+            }
             scanning.release_quarantined();
         })
         .await;
@@ -137,8 +141,9 @@ pub async fn pin_watch_task(daemon: Arc<Daemon>) {
 
 /// Reads the pin and unpin counts of every allocated page from the client regions, feeds them to
 /// the pin watch ([`crate::session::pins`]) and logs each pin that crossed the lease in this scan.
-/// Under the core lock: two relaxed loads per page, and a map entry per pinned page.
-pub fn watch_pins(core: &mut crate::daemon::Core, now: Instant) {
+/// Under the core lock: two relaxed loads per page, and a map entry per pinned page. Returns the
+/// sessions with a pin that crossed the lease in this scan.
+pub fn watch_pins(core: &mut crate::daemon::Core, now: Instant) -> Vec<u64> {
     let crate::daemon::Core { sessions, pins, .. } = core;
     let mut pinned = Vec::new();
     let mut pages = 0;
@@ -155,7 +160,11 @@ pub fn watch_pins(core: &mut crate::daemon::Core, now: Instant) {
         }
     }
     tracing::trace!(pages, pinned = pinned.len(), took_us = now.elapsed().as_micros() as u64, "pin scan");
-    for stuck in pins.observe(now, pinned) {
+    let crossed = pins.observe(now, pinned);
+    let mut sessions_crossed: Vec<u64> = crossed.iter().map(|stuck| stuck.page.session).collect();
+    sessions_crossed.sort_unstable();
+    sessions_crossed.dedup();
+    for stuck in crossed {
         let r = stuck.page;
         let (uid, pid) = sessions.get_unchecked(r.session).map_or((0, 0), |s| (s.owner.uid, s.owner.pid));
         tracing::warn!(
@@ -170,6 +179,7 @@ pub fn watch_pins(core: &mut crate::daemon::Core, now: Instant) {
              `kvmmctl wipe SESSION` revokes the session"
         );
     }
+    sessions_crossed
 }
 
 /// What the tier mover and the flash drain share: the byte budgets of background migration (the

@@ -12,14 +12,31 @@ pub struct Registry {
     sessions: BTreeMap<u64, Session>,
     /// The next id to hand out; ids are never reused during one daemon run.
     next_id: u64,
-    /// Sessions an operator wiped, with their owner's uid, so that their client hears why on its
-    /// next call; the oldest are forgotten past [`WIPED_REMEMBERED`].
-    wiped: HashMap<u64, u32>,
+    /// Sessions an operator wiped or kvmmd revoked, with their owner's uid, so that their client
+    /// hears why on its next call; the oldest are forgotten past [`WIPED_REMEMBERED`].
+    wiped: HashMap<u64, (u32, WipedBy)>,
     wiped_order: VecDeque<u64>,
 }
 
 /// Wiped sessions remembered for their clients' next call.
 pub const WIPED_REMEMBERED: usize = 4096;
+
+/// Who wiped a session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WipedBy {
+    /// An operator (admin `Wipe`).
+    Operator,
+    /// kvmmd: one of its pages stayed pinned past the pin lease (`revoke_stuck_pins`).
+    PinLease,
+}
+
+/// The error a wiped session's client gets.
+fn gone(id: u64, by: WipedBy) -> Error {
+    match by {
+        WipedBy::Operator => Error::Wiped(id),
+        WipedBy::PinLease => Error::Revoked(id),
+    }
+}
 
 impl Registry {
     /// Reserves a fresh session id.
@@ -33,27 +50,28 @@ impl Registry {
         self.sessions.insert(session.id, session);
     }
 
-    /// Remembers that session `id` of `uid` was wiped by an operator.
-    pub fn remember_wiped(&mut self, id: u64, uid: u32) {
+    /// Remembers that session `id` of `uid` was wiped, and by whom.
+    pub fn remember_wiped(&mut self, id: u64, uid: u32, by: WipedBy) {
         if self.wiped_order.len() >= WIPED_REMEMBERED
             && let Some(old) = self.wiped_order.pop_front()
         {
             self.wiped.remove(&old);
         }
-        self.wiped.insert(id, uid);
+        self.wiped.insert(id, (uid, by));
         self.wiped_order.push_back(id);
     }
 
-    /// Whether session `id` was wiped by an operator (and is still remembered).
-    pub fn was_wiped(&self, id: u64) -> bool {
-        self.wiped.contains_key(&id)
+    /// Why session `id` is gone if it was wiped (and is still remembered): `Error::Wiped` or
+    /// `Error::Revoked`.
+    pub fn wiped(&self, id: u64) -> Option<Error> {
+        self.wiped.get(&id).map(|&(_, by)| gone(id, by))
     }
 
     /// Why session `id` is not there, for `uid`.
     fn missing(&self, id: u64, uid: u32) -> Error {
         match self.wiped.get(&id) {
-            Some(&owner) if owner != uid => Error::ForeignSession { session: id, owner, caller: uid },
-            Some(_) => Error::Wiped(id),
+            Some(&(owner, _)) if owner != uid => Error::ForeignSession { session: id, owner, caller: uid },
+            Some(&(_, by)) => gone(id, by),
             None => Error::UnknownSession(id),
         }
     }

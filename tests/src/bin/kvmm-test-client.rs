@@ -624,8 +624,9 @@ fn raw_attach(a: &Args) {
 /// Attaches with the raw RPCs, maps the session's memory itself, extends by one block and pins
 /// page (0, 0) the way the client library does, then prints `pinned session=N offset=O len=L` and
 /// obeys stdin: `write` fills the pinned frame with 0xAB (a row write still under way after a
-/// wipe), `unpin` releases the pin, `pin` takes one again (`pin pinned=true`), and `exit` (or
-/// EOF) ends. Each command answers with one line.
+/// wipe), `unpin` releases the pin, `pin` takes one again (`pin pinned=true`), `stats` calls
+/// `SessionStats` (`stats code=Ok stuck_pins=N`, or the code, the table's status and the message),
+/// and `exit` (or EOF) ends. Each command answers with one line.
 fn hold_pin(a: &Args) {
     use kvmm_shm::{Access, ClientRegion, Mapping, Memfd, SessionTable};
     let client = Client::connect(a.socket()).unwrap_or_else(|e| die(e));
@@ -658,6 +659,13 @@ fn hold_pin(a: &Args) {
             "pin" => {
                 let outcome = entry.pin(table.entry(0, 0).unwrap());
                 println!("pin pinned={}", outcome.is_pinned());
+            }
+            "stats" => {
+                let stats = pb::SessionStatsRequest { session_id: r.session_id };
+                match client.block_on(client.rpc().session_stats(stats)) {
+                    Ok(s) => println!("stats code=Ok stuck_pins={}", s.into_inner().stuck_pins),
+                    Err(e) => println!("stats code={:?} table={:?} msg={}", e.code(), table.status(), e.message()),
+                }
             }
             _ => break,
         }
