@@ -669,7 +669,8 @@ impl Daemon {
             match destroy(&mut core, self.flash.as_ref(), id, TableStatus::Revoked, true) {
                 Ok(wiped) => {
                     core.sessions.remember_wiped(id, uid, WipedBy::PinLease);
-                    tracing::warn!(
+                    crate::limited!(
+                        warn,
                         session = id,
                         uid,
                         bytes = wiped.total(),

@@ -1,5 +1,6 @@
-//! Rate limits for log lines a client can trigger (attach, detach, refused requests, fd refusals):
-//! a local process looping on a failing call must not flood the journal.
+//! Rate limits for log lines a client can trigger (attach, detach, refused requests, fd refusals,
+//! stuck pins and the revocations they lead to): a local process looping on a failing call, or
+//! pinning many pages for good, must not flood the journal.
 //!
 //! Each call site of [`limited!`](crate::limited) owns a static [`RateLimit`]: at most
 //! [`LINES_PER_WINDOW`] lines per [`WINDOW`]; lines past that are counted, not written, and the

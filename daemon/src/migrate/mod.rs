@@ -167,7 +167,9 @@ pub fn watch_pins(core: &mut crate::daemon::Core, now: Instant) -> Vec<u64> {
     for stuck in crossed {
         let r = stuck.page;
         let (uid, pid) = sessions.get_unchecked(r.session).map_or((0, 0), |s| (s.owner.uid, s.owner.pid));
-        tracing::warn!(
+        // A client that pins many pages for good would otherwise write a line for each.
+        crate::limited!(
+            warn,
             session = r.session,
             layer = r.layer,
             block = r.block,
