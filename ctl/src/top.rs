@@ -187,9 +187,21 @@ pub fn draw(frame: &mut Frame, title: &str, snapshot: &Snapshot) {
         );
     }
 
-    let header_row =
-        Row::new(["ID", "UID", "PID", "EXECUTABLE", "MODEL", "PRIORITY", "TOKENS", "DEVICE", "DRAM", "FLASH", "IDLE"])
-            .style(Style::new().add_modifier(Modifier::BOLD));
+    let header_row = Row::new([
+        "ID",
+        "UID",
+        "PID",
+        "EXECUTABLE",
+        "MODEL",
+        "PRIORITY",
+        "TOKENS",
+        "DEVICE",
+        "DRAM",
+        "FLASH",
+        "IDLE",
+        "STUCK",
+    ])
+    .style(Style::new().add_modifier(Modifier::BOLD));
     let body = snapshot.sessions.iter().map(|x| {
         Row::new([
             x.session_id.to_string(),
@@ -203,6 +215,7 @@ pub fn draw(frame: &mut Frame, title: &str, snapshot: &Snapshot) {
             render::bytes(render::tier_bytes(x, "dram")),
             render::bytes(render::tier_bytes(x, "flash")),
             render::duration_ms(x.idle_ms),
+            x.stuck_pins.to_string(),
         ])
     });
     let widths = [
@@ -217,6 +230,7 @@ pub fn draw(frame: &mut Frame, title: &str, snapshot: &Snapshot) {
         Constraint::Length(10),
         Constraint::Length(10),
         Constraint::Length(6),
+        Constraint::Length(5),
     ];
     let sessions = Table::new(body, widths)
         .header(header_row)
