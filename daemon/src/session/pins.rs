@@ -31,8 +31,6 @@ struct Held {
     unpins: u32,
     /// When this hold was first seen.
     since: Instant,
-    /// The scan that last saw the page pinned.
-    seen: u64,
     /// Whether the hold was reported stuck already.
     reported: bool,
 }
@@ -58,8 +56,8 @@ pub struct SessionPins {
 #[derive(Debug)]
 pub struct PinWatch {
     lease: Duration,
+    /// The pages the last scan saw pinned.
     held: HashMap<PageRef, Held>,
-    scans: u64,
     /// When the last scan ran, which is "now" for the holds it reports.
     last: Option<Instant>,
 }
@@ -67,7 +65,7 @@ pub struct PinWatch {
 impl PinWatch {
     /// A watch that calls a pin stuck once it has been held for `lease`.
     pub fn new(lease: Duration) -> PinWatch {
-        PinWatch { lease, held: HashMap::new(), scans: 0, last: None }
+        PinWatch { lease, held: HashMap::new(), last: None }
     }
 
     /// The lease in force.
@@ -79,24 +77,21 @@ impl PinWatch {
     /// count. Pages it leaves out are no longer pinned. Returns the holds that crossed the lease in
     /// this scan.
     pub fn observe(&mut self, now: Instant, pinned: impl IntoIterator<Item = (PageRef, u32)>) -> Vec<StuckPin> {
-        self.scans += 1;
         self.last = Some(now);
-        let scan = self.scans;
+        // Pages this scan leaves out are dropped with the last scan's map.
+        let before = std::mem::take(&mut self.held);
         let mut crossed = Vec::new();
         for (page, unpins) in pinned {
-            let fresh = Held { unpins, since: now, seen: scan, reported: false };
-            let held = self.held.entry(page).or_insert(fresh);
-            if held.unpins != unpins {
-                *held = fresh;
-            }
-            held.seen = scan;
+            let held = self.held.entry(page).or_insert_with(|| {
+                let same_pin = before.get(&page).filter(|h| h.unpins == unpins);
+                same_pin.copied().unwrap_or(Held { unpins, since: now, reported: false })
+            });
             let for_ = now.saturating_duration_since(held.since);
             if !held.reported && for_ >= self.lease {
                 held.reported = true;
                 crossed.push(StuckPin { page, held: for_ });
             }
         }
-        self.held.retain(|_, h| h.seen == scan);
         crossed
     }
 
