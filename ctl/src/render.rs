@@ -231,41 +231,36 @@ pub fn tier_bytes(s: &pb::SessionInfo, tier: &str) -> u64 {
     s.tiers.iter().find(|t| t.tier == tier).map_or(0, |t| t.bytes)
 }
 
+/// The columns of the sessions table (`sessions` and `top`).
+pub const SESSION_COLUMNS: [&str; 12] =
+    ["ID", "UID", "PID", "EXECUTABLE", "MODEL", "PRIORITY", "TOKENS", "DEVICE", "DRAM", "FLASH", "IDLE", "STUCK"];
+
+/// One session's cells under [`SESSION_COLUMNS`].
+pub fn session_cells(s: &pb::SessionInfo) -> [String; 12] {
+    [
+        s.session_id.to_string(),
+        s.uid.to_string(),
+        s.pid.to_string(),
+        s.executable.clone(),
+        s.model_id.clone(),
+        priority(s.priority),
+        s.tokens.to_string(),
+        bytes(tier_bytes(s, "device")),
+        bytes(tier_bytes(s, "dram")),
+        bytes(tier_bytes(s, "flash")),
+        duration_ms(s.idle_ms),
+        s.stuck_pins.to_string(),
+    ]
+}
+
 /// `ListSessions`.
 pub fn sessions(list: &pb::ListSessionsResponse) -> String {
     if list.sessions.is_empty() {
         return "no sessions\n".to_owned();
     }
-    let mut t = Table::new(&[
-        "ID",
-        "UID",
-        "PID",
-        "EXECUTABLE",
-        "MODEL",
-        "PRIORITY",
-        "TOKENS",
-        "DEVICE",
-        "DRAM",
-        "FLASH",
-        "IDLE",
-        "STUCK",
-    ])
-    .right(&[0, 1, 2, 6, 7, 8, 9, 10, 11]);
+    let mut t = Table::new(&SESSION_COLUMNS).right(&[0, 1, 2, 6, 7, 8, 9, 10, 11]);
     for s in &list.sessions {
-        t.row(vec![
-            s.session_id.to_string(),
-            s.uid.to_string(),
-            s.pid.to_string(),
-            s.executable.clone(),
-            s.model_id.clone(),
-            priority(s.priority),
-            s.tokens.to_string(),
-            bytes(tier_bytes(s, "device")),
-            bytes(tier_bytes(s, "dram")),
-            bytes(tier_bytes(s, "flash")),
-            duration_ms(s.idle_ms),
-            s.stuck_pins.to_string(),
-        ]);
+        t.row(session_cells(s).into());
     }
     t.render()
 }

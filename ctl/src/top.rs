@@ -187,37 +187,8 @@ pub fn draw(frame: &mut Frame, title: &str, snapshot: &Snapshot) {
         );
     }
 
-    let header_row = Row::new([
-        "ID",
-        "UID",
-        "PID",
-        "EXECUTABLE",
-        "MODEL",
-        "PRIORITY",
-        "TOKENS",
-        "DEVICE",
-        "DRAM",
-        "FLASH",
-        "IDLE",
-        "STUCK",
-    ])
-    .style(Style::new().add_modifier(Modifier::BOLD));
-    let body = snapshot.sessions.iter().map(|x| {
-        Row::new([
-            x.session_id.to_string(),
-            x.uid.to_string(),
-            x.pid.to_string(),
-            x.executable.clone(),
-            x.model_id.clone(),
-            render::priority(x.priority),
-            x.tokens.to_string(),
-            render::bytes(render::tier_bytes(x, "device")),
-            render::bytes(render::tier_bytes(x, "dram")),
-            render::bytes(render::tier_bytes(x, "flash")),
-            render::duration_ms(x.idle_ms),
-            x.stuck_pins.to_string(),
-        ])
-    });
+    let header_row = Row::new(render::SESSION_COLUMNS).style(Style::new().add_modifier(Modifier::BOLD));
+    let body = snapshot.sessions.iter().map(|x| Row::new(render::session_cells(x)));
     let widths = [
         Constraint::Length(10),
         Constraint::Length(6),
