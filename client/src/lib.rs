@@ -78,6 +78,14 @@ impl Client {
         Session::attach(self.inner.clone(), geometry, options)
     }
 
+    /// Takes over a session of this uid whose connection closed while it lingers
+    /// ([`AttachOptions::linger`]): the `Resume` RPC, the fd handshake, and mapping the shared memory.
+    /// The session's pages, token counts and attention mass are as its previous process left them;
+    /// appending carries on after the last published token, extending by the default batch.
+    pub fn resume(&self, session_id: u64) -> Result<Session> {
+        Session::resume(self.inner.clone(), session_id)
+    }
+
     /// A raw handle on the session service, for callers that need RPCs the `Session` API does not
     /// wrap (and for tests of the protocol itself).
     pub fn rpc(&self) -> SessionClient<Channel> {

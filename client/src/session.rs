@@ -65,6 +65,11 @@ pub struct AttachOptions {
     /// the least accumulated attention mass, never the first page or the last 128 tokens, and
     /// attention skips what was dropped ([`Session::dropped_blocks`]).
     pub evict: bool,
+    /// How long the session outlives this client's connection, waiting for a process of the same
+    /// uid to take it over with [`crate::Client::resume`] (a crash or a restart keeps the context);
+    /// at most the daemon's `max_linger_ms`. Zero (the default): the session is wiped when the
+    /// connection closes. Dropping or detaching the [`Session`] ends it at once either way.
+    pub linger: Duration,
 }
 
 impl Default for AttachOptions {
@@ -75,6 +80,7 @@ impl Default for AttachOptions {
             extend_batch: DEFAULT_EXTEND_BATCH,
             quota_tokens: 0,
             evict: false,
+            linger: Duration::ZERO,
         }
     }
 }
@@ -124,7 +130,8 @@ pub struct Session {
     table: SessionTable,
     /// Pins, token counts and importance, written by this process.
     region: ClientRegion,
-    /// Tokens appended per layer: this process's own count, never read back from shared memory.
+    /// Tokens appended per layer: this process's own count, never read back from shared memory
+    /// (except once by `resume`, to carry on where the previous process stopped).
     tokens: Vec<u32>,
     /// Blocks allocated per layer, as the last `Extend` reported.
     allocated_blocks: u32,
@@ -170,44 +177,87 @@ impl Session {
             } as i32,
             quota_tokens: options.quota_tokens,
             evict: options.evict,
+            linger_ms: u32::try_from(options.linger.as_millis()).unwrap_or(u32::MAX),
         };
         let mut rpc = inner.rpc.clone();
         let granted = inner.runtime.block_on(rpc.attach(request))?.into_inner();
         // From here on the daemon holds a session: detach it if the handshake fails.
         match Self::map(&inner, &granted, geometry) {
-            Ok((arena, table, region)) => {
-                let shape = AttnShape {
-                    q_heads: geometry.q_heads as usize,
-                    kv_heads: geometry.kv_heads as usize,
-                    head_dim: geometry.head_dim as usize,
-                    block_tokens: geometry.block_tokens as usize,
-                };
-                Ok(Session {
-                    id: granted.session_id,
-                    geometry,
-                    shape,
-                    page_shape: geometry.page_shape(),
-                    format: geometry.format(),
-                    arena,
-                    table,
-                    region,
-                    tokens: vec![0; geometry.layers as usize],
-                    allocated_blocks: 0,
-                    extend_batch: options.extend_batch.max(1),
-                    scale: 1.0 / (geometry.head_dim as f32).sqrt(),
-                    attn: None,
-                    mass: Vec::new(),
-                    formats: Vec::new(),
-                    page_budget: None,
-                    detached: false,
-                    inner,
-                })
-            }
+            Ok(mapped) => Ok(Self::assemble(inner, &granted, geometry, mapped, options.extend_batch)),
             Err(e) => {
                 let mut rpc = inner.rpc.clone();
                 let _ = inner.runtime.block_on(rpc.detach(pb::DetachRequest { session_id: granted.session_id }));
                 Err(e)
             }
+        }
+    }
+
+    pub(crate) fn resume(inner: Arc<Inner>, session_id: u64) -> Result<Session> {
+        let mut rpc = inner.rpc.clone();
+        let granted = inner.runtime.block_on(rpc.resume(pb::ResumeRequest { session_id }))?.into_inner();
+        let geometry = granted
+            .geometry
+            .as_ref()
+            .map(geometry_from_pb)
+            .ok_or_else(|| Error::Protocol("Resume returned no geometry".to_owned()))?;
+        geometry.validate().map_err(|e| Error::Protocol(format!("Resume returned an invalid geometry: {e}")))?;
+        if granted.allocated_blocks > geometry.blocks_per_layer() {
+            return Err(Error::Protocol(format!(
+                "Resume reported {} allocated blocks, more than the geometry's {}",
+                granted.allocated_blocks,
+                geometry.blocks_per_layer()
+            )));
+        }
+        // Unlike after Attach, a failure here leaves the session to the daemon: it is bound to this
+        // connection and lingers again once the connection closes.
+        let mapped = Self::map(&inner, &granted, geometry)?;
+        let mut session = Self::assemble(inner, &granted, geometry, mapped, DEFAULT_EXTEND_BATCH);
+        // The token counts this process's predecessor published, as the daemon carried them over.
+        session.allocated_blocks = granted.allocated_blocks;
+        let bt = geometry.block_tokens;
+        for layer in 0..geometry.layers {
+            let entries = session.region.entries_of_layer(layer)?;
+            let published: u32 =
+                entries.iter().take(granted.allocated_blocks as usize).map(|e| e.tokens().min(bt)).sum();
+            session.tokens[layer as usize] = published;
+        }
+        session.prefault(0..granted.allocated_blocks);
+        Ok(session)
+    }
+
+    /// A session over freshly mapped memory, with no pages allocated as far as it knows.
+    fn assemble(
+        inner: Arc<Inner>,
+        granted: &pb::AttachResponse,
+        geometry: Geometry,
+        (arena, table, region): (Mapping, SessionTable, ClientRegion),
+        extend_batch: u32,
+    ) -> Session {
+        let shape = AttnShape {
+            q_heads: geometry.q_heads as usize,
+            kv_heads: geometry.kv_heads as usize,
+            head_dim: geometry.head_dim as usize,
+            block_tokens: geometry.block_tokens as usize,
+        };
+        Session {
+            id: granted.session_id,
+            geometry,
+            shape,
+            page_shape: geometry.page_shape(),
+            format: geometry.format(),
+            arena,
+            table,
+            region,
+            tokens: vec![0; geometry.layers as usize],
+            allocated_blocks: 0,
+            extend_batch: extend_batch.max(1),
+            scale: 1.0 / (geometry.head_dim as f32).sqrt(),
+            attn: None,
+            mass: Vec::new(),
+            formats: Vec::new(),
+            page_budget: None,
+            detached: false,
+            inner,
         }
     }
 
@@ -758,6 +808,22 @@ pub fn geometry_to_pb(g: &Geometry) -> pb::Geometry {
             kvmm_kernels::ElementType::Bf16 => pb::ElementType::Bf16,
             _ => pb::ElementType::F16,
         } as i32,
+        max_tokens: g.max_tokens,
+    }
+}
+
+/// A geometry from the wire, as the daemon accepted it.
+fn geometry_from_pb(g: &pb::Geometry) -> Geometry {
+    Geometry {
+        layers: g.layers,
+        kv_heads: g.kv_heads,
+        q_heads: g.q_heads,
+        head_dim: g.head_dim,
+        block_tokens: g.block_tokens,
+        element_type: match pb::ElementType::try_from(g.element_type) {
+            Ok(pb::ElementType::Bf16) => kvmm_kernels::ElementType::Bf16,
+            _ => kvmm_kernels::ElementType::F16,
+        },
         max_tokens: g.max_tokens,
     }
 }

@@ -31,6 +31,8 @@ pub fn status(s: &pb::StatusResponse) -> Value {
         "draining": s.draining,
         "stuck_pins": s.stuck_pins,
         "pin_lease_ms": s.pin_lease_ms,
+        "orphaned_sessions": s.orphaned_sessions,
+        "max_linger_ms": s.max_linger_ms,
     })
 }
 
@@ -125,6 +127,8 @@ pub fn session(s: &pb::SessionInfo) -> Value {
         "attached_ms": s.attached_ms,
         "stuck_pins": s.stuck_pins,
         "longest_pin_ms": s.longest_pin_ms,
+        "linger_ms": s.linger_ms,
+        "orphaned_ms": s.orphaned_ms,
     })
 }
 

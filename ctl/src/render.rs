@@ -166,6 +166,15 @@ pub fn status(s: &pb::StatusResponse) -> String {
         duration_ms(s.pin_lease_ms),
         if s.stuck_pins > 0 { " (`kvmmctl sessions` names their sessions; `kvmmctl wipe ID` revokes one)" } else { "" }
     );
+    let _ = match s.max_linger_ms {
+        0 => writeln!(out, "orphaned sessions: {} (lingering is off: max_linger_ms = 0)", s.orphaned_sessions),
+        max => writeln!(
+            out,
+            "orphaned sessions: {} waiting for a Resume (a session may outlive its connection for at most {})",
+            s.orphaned_sessions,
+            duration_ms(max)
+        ),
+    };
     if let Some(p) = &s.policy {
         out.push_str(&policy_status(p));
     }
@@ -291,6 +300,24 @@ pub fn session(s: &pb::SessionInfo) -> String {
         s.dropped_pages
     );
     let _ = writeln!(out, "  idle {}, attached {} ago", duration_ms(s.idle_ms), duration_ms(s.attached_ms));
+    match (s.linger_ms, s.orphaned_ms) {
+        (0, _) => {}
+        (linger, 0) => {
+            let _ = writeln!(
+                out,
+                "  linger: {} (outlives its connection for that long, waiting for a Resume)",
+                duration_ms(linger.into())
+            );
+        }
+        (linger, orphaned) => {
+            let _ = writeln!(
+                out,
+                "  orphaned: its connection closed {} ago; waiting for a Resume, wiped after {} (linger)",
+                duration_ms(orphaned),
+                duration_ms(linger.into())
+            );
+        }
+    }
     if s.stuck_pins > 0 {
         let _ = writeln!(
             out,

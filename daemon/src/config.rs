@@ -23,6 +23,11 @@ pub const DEFAULT_FD_TOKEN_TTL_MS: u64 = 10_000;
 pub const DEFAULT_PIN_LEASE_MS: u64 = 10_000;
 /// The pin leases an operator may set, in milliseconds.
 pub const PIN_LEASE_RANGE_MS: std::ops::RangeInclusive<u64> = 200..=3_600_000;
+/// Default longest linger an `Attach` may ask for: a session may outlive its connection this long,
+/// waiting for a `Resume`.
+pub const DEFAULT_MAX_LINGER_MS: u64 = 300_000;
+/// The longest lingers an operator may allow, in milliseconds (0 turns lingering off).
+pub const MAX_LINGER_RANGE_MS: std::ops::RangeInclusive<u64> = 0..=86_400_000;
 /// How often the compactor looks for holes below the arena's high-water mark.
 pub const DEFAULT_COMPACTION_INTERVAL_MS: u64 = 1_000;
 /// Default share of `MemAvailable` given to the DRAM tier (the daemon's private pool).
@@ -49,6 +54,9 @@ pub struct FileConfig {
     /// Whether kvmmd revokes (wipes) a session once one of its pages has stayed pinned past the pin
     /// lease, rather than only reporting it.
     pub revoke_stuck_pins: Option<bool>,
+    /// The longest a session may outlive its connection waiting for a `Resume` (`linger_ms` at
+    /// attach), in milliseconds; 0 turns lingering off.
+    pub max_linger_ms: Option<u64>,
     /// Log filter in `tracing` syntax, e.g. `info` or `kvmm_daemon=debug`.
     pub log: Option<String>,
     /// Arena compaction.
@@ -217,6 +225,8 @@ pub struct Overrides {
     pub pin_lease_ms: Option<u64>,
     /// `--revoke-stuck-pins` (turns it on over the file).
     pub revoke_stuck_pins: bool,
+    /// `--max-linger-ms`.
+    pub max_linger_ms: Option<u64>,
     /// `--log`.
     pub log: Option<String>,
     /// `--compaction-interval-ms`.
@@ -262,6 +272,8 @@ pub struct Resolved {
     pub pin_lease: std::time::Duration,
     /// Whether a session with a stuck pin is revoked (wiped) rather than only reported.
     pub revoke_stuck_pins: bool,
+    /// The longest a session may outlive its connection (zero: lingering is off).
+    pub max_linger: std::time::Duration,
     /// Log filter.
     pub log: String,
     /// Compaction period; `None` disables it.
@@ -340,6 +352,7 @@ impl Resolved {
             format!("fd_token_ttl_ms = {}", self.fd_token_ttl.as_millis()),
             format!("pin_lease_ms = {}", self.pin_lease.as_millis()),
             format!("revoke_stuck_pins = {}", self.revoke_stuck_pins),
+            format!("max_linger_ms = {}", self.max_linger.as_millis()),
             format!("compaction_interval_ms = {}", self.compaction_interval.map_or(0, |d| d.as_millis())),
             format!("log = {}", self.log),
             format!("tiers.dram_budget = {}", size(t.dram_budget)),
@@ -419,6 +432,14 @@ impl FileConfig {
                 PIN_LEASE_RANGE_MS.end()
             )));
         }
+        let linger_ms = cli.max_linger_ms.or(self.max_linger_ms).unwrap_or(DEFAULT_MAX_LINGER_MS);
+        if !MAX_LINGER_RANGE_MS.contains(&linger_ms) {
+            return Err(Error::InvalidArgument(format!(
+                "max_linger_ms is {linger_ms}; it must be between {} and {} milliseconds (0 turns lingering off)",
+                MAX_LINGER_RANGE_MS.start(),
+                MAX_LINGER_RANGE_MS.end()
+            )));
+        }
         let interval = cli
             .compaction_interval_ms
             .or(self.compaction.and_then(|c| c.interval_ms))
@@ -435,6 +456,7 @@ impl FileConfig {
             fd_token_ttl: std::time::Duration::from_millis(ttl_ms),
             pin_lease: std::time::Duration::from_millis(lease_ms),
             revoke_stuck_pins: cli.revoke_stuck_pins || self.revoke_stuck_pins.unwrap_or(false),
+            max_linger: std::time::Duration::from_millis(linger_ms),
             log: cli.log.or(self.log).unwrap_or_else(|| "info".to_owned()),
             compaction_interval: (interval > 0).then(|| std::time::Duration::from_millis(interval)),
             debug_move_churn: cli.debug_move_churn,
@@ -959,6 +981,19 @@ mod tests {
             .resolve(Overrides::default(), &env(0))
             .unwrap();
         assert_eq!(root.tiers.flash_path, PathBuf::from("/var/lib/kvmm/kvmm.flash"));
+    }
+
+    #[test]
+    fn the_longest_linger_defaults_to_five_minutes_and_stays_in_its_range() {
+        let r = FileConfig::default().resolve(Overrides::default(), &env(0)).unwrap();
+        assert_eq!(r.max_linger, std::time::Duration::from_secs(300));
+        let file = FileConfig::parse("max_linger_ms = 0\n").unwrap();
+        assert_eq!(file.clone().resolve(Overrides::default(), &env(0)).unwrap().max_linger.as_millis(), 0);
+        let cli = Overrides { max_linger_ms: Some(1500), ..Default::default() };
+        assert_eq!(file.resolve(cli, &env(0)).unwrap().max_linger.as_millis(), 1500, "the command line wins");
+        let cli = Overrides { max_linger_ms: Some(86_400_001), ..Default::default() };
+        let err = FileConfig::default().resolve(cli, &env(0)).unwrap_err().to_string();
+        assert!(err.contains("max_linger_ms is 86400001") && err.contains("between 0 and 86400000"), "{err}");
     }
 
     #[test]

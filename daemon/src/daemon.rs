@@ -123,6 +123,8 @@ pub struct SessionOptions {
     pub quota_tokens: u32,
     /// Opt-in lossy eviction over the quota.
     pub evict: bool,
+    /// How long the session outlives its connection, waiting for a `Resume` (zero: not at all).
+    pub linger: std::time::Duration,
 }
 
 /// What `Attach` returns.
@@ -140,6 +142,10 @@ pub struct AttachGrant {
     pub client_region_bytes: u64,
     /// The accepted geometry (defaults filled in).
     pub geometry: Geometry,
+    /// How long the session outlives its connection.
+    pub linger: std::time::Duration,
+    /// Pages already allocated per layer (zero at attach).
+    pub allocated_blocks: u32,
 }
 
 /// The memfds handed out for one session (duplicates; the daemon keeps its own).
@@ -187,6 +193,8 @@ pub struct SessionStats {
     pub owner_name: String,
     /// Pages held pinned past the pin lease.
     pub stuck_pins: u32,
+    /// How long the session outlives its connection.
+    pub linger: std::time::Duration,
     /// Blocks allocated per layer.
     pub allocated_blocks: u32,
     /// Tokens published by the client (minimum over layers).
@@ -225,6 +233,8 @@ pub struct Status {
     pub moves_skipped_pinned: u64,
     /// Pages held pinned past the pin lease, as of the last scan.
     pub stuck_pins: u32,
+    /// Sessions whose connection closed, waiting for a `Resume`.
+    pub orphaned_sessions: u32,
     /// Per tier below the device: its counters.
     pub dram: Option<TierStats>,
     pub flash: Option<TierStats>,
@@ -464,8 +474,19 @@ impl Daemon {
         self.admit()?;
         self.admit_growth()?;
         geometry.validate()?;
-        let SessionOptions { model_id, priority, quota_tokens, evict } = options;
+        let SessionOptions { model_id, priority, quota_tokens, evict, linger } = options;
         let quota = quota_from(&geometry, quota_tokens, evict)?;
+        if linger > self.config.max_linger {
+            return Err(Error::InvalidArgument(match self.config.max_linger.as_millis() {
+                0 => "linger_ms must be 0: this kvmmd keeps no session past its connection (max_linger_ms = 0)"
+                    .to_owned(),
+                max => format!(
+                    "linger_ms is {}; this kvmmd lets a session outlive its connection for at most {max} ms \
+                     (max_linger_ms): ask for less",
+                    linger.as_millis()
+                ),
+            }));
+        }
         if model_id.len() > MAX_MODEL_ID_BYTES {
             return Err(Error::InvalidArgument(format!(
                 "model_id is {} bytes; at most {MAX_MODEL_ID_BYTES} are accepted",
@@ -502,6 +523,8 @@ impl Daemon {
             table_bytes: table_memfd.len(),
             client_region_bytes: region_memfd.len(),
             geometry,
+            linger,
+            allocated_blocks: 0,
         };
         core.sessions.insert(Session {
             id,
@@ -520,6 +543,8 @@ impl Daemon {
             last_access: Instant::now(),
             key,
             recent: Default::default(),
+            linger,
+            orphaned: None,
         });
         crate::limited!(info, session = id, uid = caller.uid, pid = caller.pid, process = %name, ?geometry, "attached");
         Ok(grant)
@@ -682,10 +707,34 @@ impl Daemon {
         }
     }
 
-    /// Destroys every session attached through a connection that has closed.
+    /// Destroys every session attached through a connection that has closed, or orphans it when it
+    /// lingers ([`orphan`]).
     pub fn connection_closed(&self, conn: ConnId) {
         let mut core = self.core.lock();
         for id in core.sessions.ids_of_conn(conn) {
+            if !self.is_shutting_down()
+                && let Some(s) = core.sessions.get_mut_unchecked(id)
+                && !s.linger.is_zero()
+            {
+                match orphan(s) {
+                    Ok(()) => {
+                        let linger_ms = s.linger.as_millis() as u64;
+                        core.tokens.remove(id);
+                        core.pins.forget(id);
+                        crate::limited!(
+                            info,
+                            session = id,
+                            conn = conn.0,
+                            linger_ms,
+                            "client went away; session kept for a Resume"
+                        );
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::error!(session = id, error = %e, "orphaning a lingering session failed; wiping it")
+                    }
+                }
+            }
             match destroy(&mut core, self.flash.as_ref(), id, TableStatus::Closed, false) {
                 Ok(w) => {
                     crate::limited!(
@@ -704,6 +753,75 @@ impl Daemon {
         let core = &mut *core;
         if let Err(e) = core.quarantine.release(&mut core.pool, Some(conn)) {
             tracing::error!(conn = conn.0, error = %e, "freeing the held frames of a closed connection failed");
+        }
+    }
+
+    /// Binds an orphaned session of the caller's uid to the caller's connection: the caller's process
+    /// receives a fresh fd token, and the session lives and lingers as after `Attach`.
+    pub fn resume(&self, caller: ConnInfo, session_id: u64) -> Result<AttachGrant> {
+        self.admit()?;
+        let name = crate::session::process_name(caller.pid);
+        let mut core = self.core.lock();
+        let core = &mut *core;
+        let s = core.sessions.get_owned(session_id, caller.uid)?;
+        let arena_bytes = core
+            .pool
+            .arena(s.owner.uid)
+            .ok_or_else(|| Error::FailedPrecondition(format!("uid {} has no arena", s.owner.uid)))?
+            .memfd()
+            .len();
+        if s.orphaned.is_none() {
+            return Err(Error::FailedPrecondition(format!(
+                "session {session_id} is attached through a live connection; only a session whose connection has \
+                 closed (and which lingers) can be resumed"
+            )));
+        }
+        let fd_token = core.tokens.issue(session_id, caller.uid, caller.pid, self.config.fd_token_ttl)?;
+        let Some(s) = core.sessions.get_mut_unchecked(session_id) else {
+            return Err(Error::UnknownSession(session_id));
+        };
+        let waited = s.orphaned.take().map(|since| since.elapsed()).unwrap_or_default();
+        s.owner = Owner { uid: caller.uid, gid: caller.gid, pid: caller.pid, name: name.clone(), conn: caller.id };
+        s.last_access = Instant::now();
+        crate::limited!(
+            info,
+            session = session_id,
+            uid = caller.uid,
+            pid = caller.pid,
+            process = %name,
+            waited_ms = waited.as_millis() as u64,
+            "resumed"
+        );
+        Ok(AttachGrant {
+            session_id,
+            fd_token,
+            arena_bytes,
+            table_bytes: s.table_memfd.len(),
+            client_region_bytes: s.region_memfd.len(),
+            geometry: s.geometry,
+            linger: s.linger,
+            allocated_blocks: s.pages.allocated_blocks(),
+        })
+    }
+
+    /// Wipes the orphaned sessions whose linger time has run out (the pin watch calls this).
+    pub fn expire_orphans(&self, now: Instant) {
+        let mut core = self.core.lock();
+        for id in core.sessions.ids_expired(now) {
+            let Some(uid) = core.sessions.get_unchecked(id).map(|s| s.owner.uid) else { continue };
+            match destroy(&mut core, self.flash.as_ref(), id, TableStatus::Closed, false) {
+                Ok(wiped) => {
+                    core.sessions.remember_wiped(id, uid, WipedBy::LingerExpired);
+                    crate::limited!(
+                        info,
+                        session = id,
+                        uid,
+                        bytes = wiped.total(),
+                        "no process resumed the session within its linger time; session wiped"
+                    );
+                }
+                Err(e) => tracing::error!(session = id, error = %e, "wiping an expired session failed"),
+            }
         }
     }
 
@@ -763,6 +881,7 @@ impl Daemon {
             dropped_pages: s.pages.dropped(),
             owner_name: s.owner.name.clone(),
             stuck_pins: core.pins.session(session_id).stuck,
+            linger: s.linger,
             allocated_blocks: s.pages.allocated_blocks(),
             tokens: s.tokens(),
             device_bytes: s.pages.bytes(),
@@ -1054,6 +1173,7 @@ impl Daemon {
             moves: core.moves,
             moves_skipped_pinned: core.moves_skipped_pinned,
             stuck_pins: core.pins.total(),
+            orphaned_sessions: core.sessions.iter().filter(|s| s.orphaned.is_some()).count() as u32,
             dram: core.dram.as_ref().map(Tier::stats),
             flash: self.flash.as_ref().map(|f| f.lock().stats()),
             io_engine: self.io_engine.clone(),
@@ -1170,6 +1290,9 @@ pub struct SessionInfo {
     pub idle: std::time::Duration,
     pub attached: std::time::Duration,
     pub pins: SessionPins,
+    pub linger: std::time::Duration,
+    /// Since its connection closed, while it waits for a `Resume`.
+    pub orphaned: Option<std::time::Duration>,
 }
 
 impl SessionInfo {
@@ -1189,6 +1312,8 @@ impl SessionInfo {
             idle: s.last_access.elapsed(),
             attached: s.attached_at.elapsed(),
             pins: pins.session(s.id),
+            linger: s.linger,
+            orphaned: s.orphaned.map(|since| since.elapsed()),
         }
     }
 }
@@ -1224,6 +1349,26 @@ impl WipeReport {
         self.dram += other.dram;
         self.flash += other.flash;
     }
+}
+
+/// Orphans a lingering session whose connection closed: it gets a fresh client region holding the
+/// old one's token counts and attention mass (clamped) but no pins, since the process that held
+/// them is gone, or no longer speaks for the session, and a process that is still running keeps
+/// writing to the old region, which no one reads any more.
+fn orphan(s: &mut Session) -> Result<()> {
+    let (memfd, region) = ClientRegion::create(&s.geometry)?;
+    let bt = s.geometry.block_tokens;
+    for layer in 0..s.geometry.layers {
+        for block in 0..s.pages.allocated_blocks() {
+            let (old, new) = (s.region.entry(layer, block)?, region.entry(layer, block)?);
+            new.publish_tokens(old.tokens_clamped(bt));
+            new.set_importance(old.importance_clamped());
+        }
+    }
+    s.region = region;
+    s.region_memfd = memfd;
+    s.orphaned = Some(Instant::now());
+    Ok(())
 }
 
 /// Removes a session: marks its shared table `status`, zeroes and frees its frames and DRAM slots

@@ -55,6 +55,18 @@ pub enum Error {
          data is gone: attach a new session"
     )]
     Revoked(u64),
+    /// The session's connection closed and no process resumed it within its linger time.
+    #[error(
+        "session {0} was wiped because no process resumed it within its linger time after its connection closed; \
+         its data is gone: attach a new session"
+    )]
+    Expired(u64),
+    /// The session's connection closed; it waits for a `Resume` and serves nothing else until then.
+    #[error(
+        "session {0} lost the connection that attached it and is waiting to be resumed: call Resume on it from \
+         this connection first"
+    )]
+    Orphaned(u64),
     /// The caller is not the session's owner.
     #[error("session {session} belongs to uid {owner}; uid {caller} may not use it")]
     ForeignSession {
@@ -150,7 +162,11 @@ impl Error {
             Error::Exhausted { .. } | Error::OverQuota { .. } | Error::NothingToDrop { .. } => {
                 ErrorKind::ResourceExhausted
             }
-            Error::FailedPrecondition(_) | Error::Wiped(_) | Error::Revoked(_) => ErrorKind::FailedPrecondition,
+            Error::FailedPrecondition(_)
+            | Error::Wiped(_)
+            | Error::Revoked(_)
+            | Error::Expired(_)
+            | Error::Orphaned(_) => ErrorKind::FailedPrecondition,
             Error::ShuttingDown | Error::Busy(_) => ErrorKind::Unavailable,
             Error::Shm(_) | Error::Kernel(_) | Error::Io { .. } => ErrorKind::Internal,
             Error::Tier(e) => match e {

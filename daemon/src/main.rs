@@ -36,6 +36,10 @@ struct Cli {
     /// than only report it.
     #[arg(long)]
     revoke_stuck_pins: bool,
+    /// The longest a session may outlive its connection waiting for a Resume (its `linger_ms` at
+    /// attach), in milliseconds (0..=86400000; 0 turns lingering off) [default: 300000].
+    #[arg(long, value_name = "MS")]
+    max_linger_ms: Option<u64>,
     /// Milliseconds between arena compaction passes; 0 disables [default: 1000].
     #[arg(long, value_name = "MS")]
     compaction_interval_ms: Option<u64>,
@@ -109,6 +113,7 @@ fn run(cli: Cli, arenas: kvmm_daemon::malloc::ArenaCap) -> anyhow::Result<()> {
         fd_token_ttl_ms: cli.fd_token_ttl_ms,
         pin_lease_ms: cli.pin_lease_ms,
         revoke_stuck_pins: cli.revoke_stuck_pins,
+        max_linger_ms: cli.max_linger_ms,
         log: cli.log,
         compaction_interval_ms: cli.compaction_interval_ms,
         debug_move_churn: cli.debug_move_churn,

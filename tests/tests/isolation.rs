@@ -1,6 +1,6 @@
-//! A client running as another uid cannot extend, inspect, fault, detach or fetch the memfds of the
-//! first uid's session, and is only ever sent its own uid's arena. Needs root (to drop privileges
-//! with `setpriv`); otherwise it is skipped with the reason printed.
+//! A client running as another uid cannot extend, inspect, fault, detach, resume or fetch the memfds
+//! of the first uid's session, and is only ever sent its own uid's arena. Needs root (to drop
+//! privileges with `setpriv`); otherwise it is skipped with the reason printed.
 
 #![allow(clippy::unwrap_used)]
 
@@ -30,7 +30,7 @@ fn another_uid_cannot_touch_a_session_or_receive_its_arena() {
     let verdict = foreign.expect_line("foreign");
     println!("uid 65534 on uid 0's session: {verdict}");
     let f = fields(&format!("x {verdict}"));
-    for rpc in ["extend", "stats", "fault", "wipe", "detach"] {
+    for rpc in ["extend", "stats", "fault", "wipe", "detach", "resume"] {
         assert_eq!(f[rpc], "PermissionDenied", "{rpc}: {verdict}");
     }
     assert!(foreign.wait(Duration::from_secs(10)).success());

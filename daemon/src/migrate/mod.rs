@@ -117,7 +117,8 @@ fn pin_scan_every(lease: Duration) -> Duration {
 /// down, on the blocking pool (a scan holds the core lock for as long as it reads every page),
 /// revokes the sessions with a new stuck pin where `revoke_stuck_pins` says so, and
 /// frees the held frames whose pin went ([`Daemon::release_quarantined`]; the tier thread does too,
-/// more often, but it runs only with a tier below the device).
+/// more often, but it runs only with a tier below the device), and wipes the orphaned sessions whose
+/// linger time ran out ([`Daemon::expire_orphans`]: at most one scan period late).
 pub async fn pin_watch_task(daemon: Arc<Daemon>) {
     let every = pin_scan_every(daemon.config.pin_lease);
     let mut tick = tokio::time::interval(every);
@@ -131,6 +132,7 @@ pub async fn pin_watch_task(daemon: Arc<Daemon>) {
                 scanning.revoke(&stuck);
             }
             scanning.release_quarantined();
+            scanning.expire_orphans(Instant::now());
         })
         .await;
         if let Err(e) = scan {

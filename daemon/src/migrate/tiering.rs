@@ -195,10 +195,12 @@ fn pick(
     let now = Instant::now();
     let mut candidates: Vec<(u8, u8, f32, u32, PageRef, u64)> = Vec::new();
     for s in core.sessions.iter() {
+        // A session no process holds (orphaned, waiting for a Resume) is the coldest of all.
         let class = match s.priority {
-            Priority::Batch => 0,
-            Priority::Background => 1,
-            Priority::Foreground => 2,
+            _ if s.orphaned.is_some() => 0,
+            Priority::Batch => 1,
+            Priority::Background => 2,
+            Priority::Foreground => 3,
         };
         let bt = s.geometry.block_tokens;
         for (layer, block, page) in s.pages.all() {

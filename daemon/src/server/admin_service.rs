@@ -262,6 +262,8 @@ impl pb::admin_server::Admin for AdminService {
             draining: self.daemon.is_draining(),
             stuck_pins: s.stuck_pins,
             pin_lease_ms: self.daemon.config.pin_lease.as_millis() as u64,
+            orphaned_sessions: s.orphaned_sessions,
+            max_linger_ms: self.daemon.config.max_linger.as_millis() as u64,
         }))
     }
 }
@@ -306,6 +308,8 @@ fn session_info(s: SessionInfo) -> pb::SessionInfo {
         attached_ms: s.attached.as_millis() as u64,
         stuck_pins: s.pins.stuck,
         longest_pin_ms: s.pins.longest.as_millis() as u64,
+        linger_ms: s.linger.as_millis() as u32,
+        orphaned_ms: s.orphaned.map_or(0, |d| (d.as_millis() as u64).max(1)),
     }
 }
 

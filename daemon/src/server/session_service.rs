@@ -11,7 +11,7 @@ use kvmm_shm::{DEFAULT_BLOCK_TOKENS, Geometry};
 use tonic::{Request, Response, Status};
 
 use super::conn::ConnInfo;
-use crate::daemon::{Daemon, SessionOptions, WipeReport, WipeScope};
+use crate::daemon::{AttachGrant, Daemon, SessionOptions, WipeReport, WipeScope};
 use crate::error::Error;
 use crate::session::Priority;
 
@@ -25,6 +25,25 @@ impl SessionService {
     /// A service over `daemon`.
     pub fn new(daemon: Arc<Daemon>) -> Self {
         SessionService { daemon }
+    }
+}
+
+impl SessionService {
+    /// An attach or resume grant on the wire.
+    fn grant_to_pb(&self, g: &AttachGrant) -> pb::AttachResponse {
+        pb::AttachResponse {
+            session_id: g.session_id,
+            fd_token: g.fd_token.to_vec(),
+            fd_token_ttl_ms: self.daemon.config.fd_token_ttl.as_millis() as u32,
+            arena_bytes: g.arena_bytes,
+            table_bytes: g.table_bytes,
+            client_region_bytes: g.client_region_bytes,
+            page_bytes: g.geometry.page_bytes(),
+            blocks_per_layer: g.geometry.blocks_per_layer(),
+            geometry: Some(geometry_to_pb(&g.geometry)),
+            linger_ms: g.linger.as_millis() as u32,
+            allocated_blocks: g.allocated_blocks,
+        }
     }
 }
 
@@ -112,19 +131,25 @@ impl pb::session_server::Session for SessionService {
         let r = req.into_inner();
         let geometry = geometry_from_pb(r.geometry)?;
         let priority = priority_from_pb(r.priority)?;
-        let options = SessionOptions { model_id: r.model_id, priority, quota_tokens: r.quota_tokens, evict: r.evict };
+        let options = SessionOptions {
+            model_id: r.model_id,
+            priority,
+            quota_tokens: r.quota_tokens,
+            evict: r.evict,
+            linger: std::time::Duration::from_millis(r.linger_ms.into()),
+        };
         let g = self.daemon.attach(who, geometry, options)?;
-        Ok(Response::new(pb::AttachResponse {
-            session_id: g.session_id,
-            fd_token: g.fd_token.to_vec(),
-            fd_token_ttl_ms: self.daemon.config.fd_token_ttl.as_millis() as u32,
-            arena_bytes: g.arena_bytes,
-            table_bytes: g.table_bytes,
-            client_region_bytes: g.client_region_bytes,
-            page_bytes: g.geometry.page_bytes(),
-            blocks_per_layer: g.geometry.blocks_per_layer(),
-            geometry: Some(geometry_to_pb(&g.geometry)),
-        }))
+        Ok(Response::new(self.grant_to_pb(&g)))
+    }
+
+    async fn resume(&self, req: Request<pb::ResumeRequest>) -> Result<Response<pb::AttachResponse>, Status> {
+        let who = caller(&req)?;
+        let session_id = req.into_inner().session_id;
+        let _span = tracing::info_span!("Resume", session = session_id, uid = who.uid, pid = who.pid).entered();
+        let g = self.daemon.resume(who, session_id).inspect_err(|e| {
+            crate::limited!(info, code = ?super::status::code(e.kind()), error = %e, "Resume refused");
+        })?;
+        Ok(Response::new(self.grant_to_pb(&g)))
     }
 
     async fn extend(&self, req: Request<pb::ExtendRequest>) -> Result<Response<pb::ExtendResponse>, Status> {
@@ -239,6 +264,7 @@ impl pb::session_server::Session for SessionService {
             dropped_pages: s.dropped_pages,
             owner_name: s.owner_name,
             stuck_pins: s.stuck_pins,
+            linger_ms: s.linger.as_millis() as u32,
         }))
     }
 }

@@ -7,7 +7,7 @@ pub mod registry;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvmm_shm::{ClientRegion, Geometry, Memfd, SessionTable};
 use kvmm_store::seal::SessionKey;
@@ -29,7 +29,8 @@ pub struct Owner {
     /// The process's name at attach (from `/proc/PID/stat` through sysinfo), for stats and logs;
     /// empty when it could not be read. Informational only: never used to decide anything.
     pub name: String,
-    /// The connection that attached; when it closes, the session is destroyed.
+    /// The connection that attached (or last resumed) the session; when it closes, the session is
+    /// destroyed, or orphaned when it lingers.
     pub conn: ConnId,
 }
 
@@ -122,6 +123,10 @@ pub struct Session {
     pub key: Option<Arc<SessionKey>>,
     /// Pages promoted recently, with when: victim selection leaves them alone for a moment.
     pub recent: HashMap<(u32, u32), Instant>,
+    /// How long the session outlives its connection, waiting for a `Resume` (zero: not at all).
+    pub linger: Duration,
+    /// Since when its connection has been closed, while it lingers; `None` while attached.
+    pub orphaned: Option<Instant>,
 }
 
 impl Session {

@@ -28,6 +28,8 @@ pub enum WipedBy {
     Operator,
     /// kvmmd: one of its pages stayed pinned past the pin lease (`revoke_stuck_pins`).
     PinLease,
+    /// kvmmd: its connection closed and no process resumed it within its linger time.
+    LingerExpired,
 }
 
 /// The error a wiped session's client gets.
@@ -35,6 +37,7 @@ fn gone(id: u64, by: WipedBy) -> Error {
     match by {
         WipedBy::Operator => Error::Wiped(id),
         WipedBy::PinLease => Error::Revoked(id),
+        WipedBy::LingerExpired => Error::Expired(id),
     }
 }
 
@@ -92,6 +95,9 @@ impl Registry {
     /// kvmmd whose new session has the same id) and must not touch it.
     pub fn get(&self, id: u64, uid: u32, conn: ConnId) -> Result<&Session> {
         let s = self.get_owned(id, uid)?;
+        if s.orphaned.is_some() {
+            return Err(Error::Orphaned(id));
+        }
         if s.owner.conn != conn {
             return Err(Error::OtherConnection(id));
         }
@@ -122,6 +128,15 @@ impl Registry {
     /// Ids of the sessions attached through connection `conn`.
     pub fn ids_of_conn(&self, conn: ConnId) -> Vec<u64> {
         self.sessions.values().filter(|s| s.owner.conn == conn).map(|s| s.id).collect()
+    }
+
+    /// Ids of the sessions whose connection closed and whose linger time has run out at `now`.
+    pub fn ids_expired(&self, now: std::time::Instant) -> Vec<u64> {
+        self.sessions
+            .values()
+            .filter(|s| s.orphaned.is_some_and(|since| now.saturating_duration_since(since) >= s.linger))
+            .map(|s| s.id)
+            .collect()
     }
 
     /// Ids of the sessions of `uid`.

@@ -24,6 +24,11 @@
 //!   `--hot-blocks 9,30 [--hot-scale 8]` scales the keys of those blocks (every layer), so random
 //!   queries give them most of the attention mass; `formats` prints the format each page of each
 //!   layer is read in, after a checked attention.
+//!   `--linger-ms L` attaches a session that outlives this process's connection for L ms.
+//!   `--resume S --tokens N` takes over session S (whose process appended N tokens with the same
+//!   seed and `--no-attend`, then went away) instead of attaching: it rebuilds its own copy of that
+//!   K/V without appending, checks the token counts the session carried over, prints
+//!   `resumed session=S tokens=T blocks=B` and obeys the same commands.
 //! - `append-forever [geometry]`: append and attend until killed, printing `progress tokens=T`.
 //! - `raw-attach [geometry] [--fetch]`: Attach over gRPC without the library; print the session id
 //!   and token (and, with --fetch, the received arena's inode), then wait for `exit`.
@@ -205,13 +210,25 @@ impl Checked {
     }
 
     fn append(&mut self, n: usize, attend: bool) {
+        self.rows(n, attend, true);
+    }
+
+    /// Rebuilds this process's copy of the K/V of `n` tokens appended without attention (by the
+    /// process this one resumed from, with the same seed), without appending them.
+    fn replay(&mut self, n: usize) {
+        self.rows(n, false, false);
+    }
+
+    fn rows(&mut self, n: usize, attend: bool, append: bool) {
         let row = (self.g.kv_heads * self.g.head_dim) as usize;
         for i in 0..n {
             for layer in 0..self.g.layers {
                 let token = self.keys[layer as usize].len() / row;
                 let k = self.hot.heat(self.g.block_tokens, token, self.rng.vec(row));
                 let v = if self.canary { canary_row(row) } else { self.rng.vec(row) };
-                self.session.append(layer, &k, &v).unwrap_or_else(|e| die(e));
+                if append {
+                    self.session.append(layer, &k, &v).unwrap_or_else(|e| die(e));
+                }
                 let et = self.g.element_type;
                 self.keys[layer as usize].extend(k.iter().map(|&x| round_to(et, x)));
                 self.values[layer as usize].extend(v.iter().map(|&x| round_to(et, x)));
@@ -468,9 +485,15 @@ fn run(a: &Args, forever: bool) {
         priority,
         quota_tokens: a.get("quota-tokens", 0),
         evict: a.flag("evict"),
+        linger: std::time::Duration::from_millis(a.get("linger-ms", 0)),
         ..Default::default()
     };
-    let session = client.attach_with(g, opts).unwrap_or_else(|e| die(e));
+    let resume: Option<u64> = a.0.get("resume").map(|id| id.parse().expect("--resume takes a session id"));
+    let session = match resume {
+        Some(id) => client.resume(id).unwrap_or_else(|e| die(e)),
+        None => client.attach_with(g, opts).unwrap_or_else(|e| die(e)),
+    };
+    assert_eq!(*session.geometry(), g, "the resumed session's geometry is the one given on the command line");
     let mut c = Checked {
         session,
         g,
@@ -492,15 +515,37 @@ fn run(a: &Args, forever: bool) {
         attend_every: a.get("attend-every", 1usize).max(1),
         hot: Hot::parse(a),
     };
-    println!("attached session={}", c.session.id());
+    if resume.is_some() {
+        c.replay(a.get("tokens", 100));
+        let row = (g.kv_heads * g.head_dim) as usize;
+        let layers = 0..g.layers;
+        if let Some(layer) = layers.clone().find(|&l| c.session.tokens(l) as usize != c.keys[l as usize].len() / row) {
+            println!(
+                "FAIL resumed layer={layer} with {} tokens published, {} expected",
+                c.session.tokens(layer),
+                c.keys[layer as usize].len() / row
+            );
+            std::process::exit(3);
+        }
+        println!(
+            "resumed session={} tokens={} blocks={}",
+            c.session.id(),
+            c.session.tokens(0),
+            c.session.allocated_blocks()
+        );
+    } else {
+        println!("attached session={}", c.session.id());
+    }
     if forever {
         loop {
             c.append(64, true);
             println!("progress tokens={}", c.session.tokens(0));
         }
     }
-    c.append(a.get("tokens", 100), !a.flag("no-attend"));
-    c.report("appended");
+    if resume.is_none() {
+        c.append(a.get("tokens", 100), !a.flag("no-attend"));
+        c.report("appended");
+    }
     let lines = stdin_lines();
     while let Ok(line) = lines.recv() {
         let mut words = line.split_whitespace();
@@ -600,6 +645,7 @@ fn attach_rpc(client: &Client, a: &Args, model_id: &str) -> pb::AttachResponse {
             priority: 0,
             quota_tokens: a.get("quota-tokens", 0),
             evict: a.flag("evict"),
+            linger_ms: a.get("linger-ms", 0),
         }))
         .unwrap_or_else(|e| die(e.into()))
         .into_inner()
@@ -624,7 +670,8 @@ fn raw_attach(a: &Args) {
 /// Attaches with the raw RPCs, maps the session's memory itself, extends by one block and pins
 /// page (0, 0) the way the client library does, then prints `pinned session=N offset=O len=L` and
 /// obeys stdin: `write` fills the pinned frame with 0xAB (a row write still under way after a
-/// wipe), `unpin` releases the pin, `pin` takes one again (`pin pinned=true`), `stats` calls
+/// wipe), `unpin` releases the pin, `pin` takes one again (`pin pinned=true`), `publish` marks the
+/// page full (`published tokens=T`, so that `Compress` takes it unless it is pinned), `stats` calls
 /// `SessionStats` (`stats code=Ok stuck_pins=N`, or the code, the table's status and the message),
 /// and `exit` (or EOF) ends. Each command answers with one line.
 fn hold_pin(a: &Args) {
@@ -655,6 +702,10 @@ fn hold_pin(a: &Args) {
             "unpin" => {
                 entry.unpin();
                 println!("unpinned");
+            }
+            "publish" => {
+                entry.publish_tokens(g.block_tokens);
+                println!("published tokens={}", g.block_tokens);
             }
             "pin" => {
                 let outcome = entry.pin(table.entry(0, 0).unwrap());
@@ -744,13 +795,15 @@ fn foreign(a: &Args) {
         .map(|_| ());
     let wipe = client.block_on(rpc.wipe(pb::WipeRequest { session_id })).map(|_| ());
     let detach = client.block_on(rpc.detach(pb::DetachRequest { session_id })).map(|_| ());
+    let resume = client.block_on(rpc.resume(pb::ResumeRequest { session_id })).map(|_| ());
     println!(
-        "foreign extend={} stats={} fault={} wipe={} detach={}",
+        "foreign extend={} stats={} fault={} wipe={} detach={} resume={}",
         code(extend),
         code(stats),
         code(fault),
         code(wipe),
-        code(detach)
+        code(detach),
+        code(resume)
     );
 }
 

@@ -1,0 +1,154 @@
+//! Lingering sessions: a session attached with `linger_ms` outlives its client's connection, and a
+//! new process of the same uid takes it over with `Resume`, finding its pages, token counts and
+//! K/V intact and carrying on appending. While it waits it is reported as orphaned (Status,
+//! ListSessions, kvmmctl), serves nothing but `Resume`, and the pins its dead process held no
+//! longer keep its pages from moving; once its linger time has run out it is wiped, and a late
+//! `Resume` is told so. An `Attach` asking for more than `max_linger_ms` is refused.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use kvmm_proto::v1::{ListSessionsRequest, PageFormat, SessionInfo};
+use kvmm_tests::{Daemon, fields, spawn_client, workspace_bin};
+
+/// `kvmmctl --socket <the daemon's admin socket> args...`: its standard output (it must succeed).
+fn kvmmctl(daemon: &Daemon, args: &[&str]) -> String {
+    let out = std::process::Command::new(workspace_bin("kvmmctl"))
+        .arg("--socket")
+        .arg(daemon.dir().join("kvmm-admin.sock"))
+        .args(args)
+        .env_remove("KVMM_ADMIN_SOCKET")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "kvmmctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn session_info(daemon: &Daemon, id: u64) -> Option<SessionInfo> {
+    let listed = daemon.admin(async |mut a| a.list_sessions(ListSessionsRequest {}).await.unwrap().into_inner());
+    listed.sessions.into_iter().find(|s| s.session_id == id)
+}
+
+/// `run --resume ID` with the first process's seed and token count: its `error` line, after which
+/// it must exit 2.
+fn refused_resume(daemon: &Daemon, id: &str) -> String {
+    let mut late = spawn_client("run", daemon, &["--resume", id, "--tokens", "100", "--seed", "7"]);
+    let line = late.expect_line("error");
+    assert_eq!(late.wait(Duration::from_secs(10)).code(), Some(2), "{line}");
+    line
+}
+
+#[test]
+fn a_lingering_session_outlives_its_client_and_a_new_process_takes_it_over() {
+    let daemon = Daemon::start(&["--device-budget", "64MiB", "--dram-budget", "0", "--pin-lease-ms", "400"]);
+    assert_eq!(daemon.status().max_linger_ms, 300_000, "the default");
+
+    // 100 tokens (three full pages and a tail of four per layer), no attention: the K/V depends on
+    // the seed alone, so the next process can rebuild its own copy.
+    let args = ["--linger-ms", "30000", "--tokens", "100", "--no-attend", "--seed", "7"];
+    let mut first = spawn_client("run", &daemon, &args);
+    let id = fields(&first.expect_line("attached"))["session"].clone();
+    let session: u64 = id.parse().unwrap();
+    first.expect_line("appended");
+    let bytes = daemon.status().session_bytes;
+    assert!(bytes > 0);
+    let info = session_info(&daemon, session).unwrap();
+    assert_eq!((info.linger_ms, info.orphaned_ms), (30_000, 0), "{info:?}");
+
+    // While its connection lives, nobody else takes it over.
+    let refusal = refused_resume(&daemon, &id);
+    assert!(refusal.contains("code=FailedPrecondition") && refusal.contains("attached through a live connection"));
+
+    // The client dies: the session stays, orphaned, with all its pages.
+    first.kill9();
+    let (s, waited) = daemon.wait_status(Duration::from_secs(10), |s| s.orphaned_sessions == 1);
+    println!("orphaned {waited:?} after the kill");
+    assert_eq!((s.sessions, s.session_bytes), (1, bytes), "{s:?}");
+    let info = session_info(&daemon, session).unwrap();
+    assert!(info.orphaned_ms > 0 && info.linger_ms == 30_000 && info.tokens == 100, "{info:?}");
+    let human = kvmmctl(&daemon, &["session", &id]);
+    assert!(human.contains("orphaned: its connection closed") && human.contains("wiped after 30.0s"), "{human}");
+    let status: serde_json::Value = serde_json::from_str(&kvmmctl(&daemon, &["--json", "status"])).unwrap();
+    assert_eq!((status["orphaned_sessions"].as_u64(), status["max_linger_ms"].as_u64()), (Some(1), Some(300_000)));
+    assert!(kvmmctl(&daemon, &["status"]).contains("orphaned sessions: 1 waiting for a Resume"));
+    assert!(daemon.log().contains("session kept for a Resume"), "{}", daemon.log());
+
+    // A new process takes it over: the token counts came along, every layer's attention matches its
+    // own copy of the K/V, and appending carries on from token 100 (into the tail page).
+    let mut second = spawn_client("run", &daemon, &["--resume", &id, "--tokens", "100", "--seed", "7"]);
+    let resumed = fields(&second.expect_line("resumed"));
+    assert_eq!((resumed["session"].as_str(), resumed["tokens"].as_str()), (id.as_str(), "100"), "{resumed:?}");
+    assert_eq!(daemon.status().orphaned_sessions, 0);
+    second.send("check 3");
+    println!("{}", second.expect_line("checked"));
+    second.send("append 60");
+    let appended = fields(&second.expect_line("appended"));
+    println!("after resuming: {appended:?}");
+    let info = session_info(&daemon, session).unwrap();
+    assert_eq!((info.tokens, info.orphaned_ms), (160, 0), "{info:?}");
+    assert_eq!(info.pid as u32, second.pid(), "the session is the new process's now");
+
+    // Detach ends it at once, linger or not.
+    second.send("exit");
+    second.expect_line("detached");
+    assert!(second.wait(Duration::from_secs(10)).success());
+    let s = daemon.wait_drained();
+    assert_eq!((s.sessions, s.orphaned_sessions, s.tiers[0].used_bytes), (0, 0, 0), "{s:?}");
+    assert!(daemon.stop().success());
+}
+
+#[test]
+fn an_orphan_no_one_resumes_is_wiped_and_its_dead_process_pins_hold_nothing() {
+    let daemon = Daemon::start(&[
+        "--device-budget",
+        "64MiB",
+        "--dram-budget",
+        "0",
+        "--pin-lease-ms",
+        "400",
+        "--max-linger-ms",
+        "2000",
+    ]);
+
+    // Asking for more than the daemon allows is refused, and says what is allowed.
+    let mut greedy = spawn_client("raw-attach", &daemon, &["--linger-ms", "5000"]);
+    let refusal = greedy.expect_line("error");
+    assert_eq!(greedy.wait(Duration::from_secs(10)).code(), Some(2));
+    println!("{refusal}");
+    assert!(refusal.contains("code=InvalidArgument") && refusal.contains("at most 2000 ms (max_linger_ms)"));
+
+    // A process pins its only (full) page and dies holding the pin.
+    let mut holder = spawn_client("hold-pin", &daemon, &["--layers", "1", "--linger-ms", "1500"]);
+    let id = fields(&holder.expect_line("pinned"))["session"].clone();
+    let session: u64 = id.parse().unwrap();
+    holder.send("publish");
+    holder.expect_line("published");
+    let pinned = daemon.compress(session, PageFormat::Q8);
+    assert_eq!((pinned.compressed, pinned.skipped_pinned), (0, 1), "pinned while its process lives: {pinned:?}");
+    holder.kill9();
+    let killed = Instant::now();
+    daemon.wait_status(Duration::from_secs(10), |s| s.orphaned_sessions == 1);
+
+    // Its pin died with it: the page moves, and no pin is reported stuck.
+    let moved = daemon.compress(session, PageFormat::Q8);
+    assert_eq!((moved.compressed, moved.skipped_pinned), (1, 0), "the dead process's pin holds nothing: {moved:?}");
+    assert_eq!(daemon.status().stuck_pins, 0);
+
+    // Nobody resumes it: wiped once its linger time has run out.
+    let (s, _) = daemon.wait_status(Duration::from_secs(10), |s| s.sessions == 0);
+    let after = killed.elapsed();
+    println!("wiped {after:?} after its client was killed (linger 1500 ms)");
+    assert!(after >= Duration::from_millis(1500), "wiped before its linger ran out: {after:?}");
+    assert_eq!((s.orphaned_sessions, s.session_bytes), (0, 0), "{s:?}");
+    assert!(session_info(&daemon, session).is_none());
+    let log = daemon.log();
+    assert!(log.contains("no process resumed the session within its linger time"), "{log}");
+
+    // A late Resume hears why.
+    let late = refused_resume(&daemon, &id);
+    assert!(late.contains("code=FailedPrecondition") && late.contains("no process resumed it within its linger"));
+    let s = daemon.wait_drained();
+    assert_eq!(s.tiers[0].used_bytes, 0, "{s:?}");
+    assert!(daemon.stop().success());
+}
