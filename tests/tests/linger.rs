@@ -152,3 +152,53 @@ fn an_orphan_no_one_resumes_is_wiped_and_its_dead_process_pins_hold_nothing() {
     assert_eq!(s.tiers[0].used_bytes, 0, "{s:?}");
     assert!(daemon.stop().success());
 }
+
+#[test]
+fn an_orphans_pages_leave_the_device_first_and_come_back_when_it_is_resumed() {
+    let daemon = Daemon::start(&["--device-budget", "32MiB", "--dram-budget", "32MiB", "--max-linger-ms", "60000"]);
+    // Sessions of about 12 MB: 6 layers × 2,600 tokens (81 full pages per layer). The one that
+    // will be orphaned attaches last, so by age alone its pages would go last.
+    let args = |seed: &'static str, linger: &'static str| {
+        vec!["--layers", "6", "--tokens", "2600", "--no-attend", "--seed", seed, "--linger-ms", linger]
+    };
+    let mut kept = spawn_client("run", &daemon, &args("41", "0"));
+    let attached: u64 = fields(&kept.expect_line("attached"))["session"].parse().unwrap();
+    kept.expect_line("appended");
+    let mut gone = spawn_client("run", &daemon, &args("7", "60000"));
+    let id = fields(&gone.expect_line("attached"))["session"].clone();
+    let orphan: u64 = id.parse().unwrap();
+    gone.expect_line("appended");
+    gone.kill9();
+    daemon.wait_status(Duration::from_secs(10), |s| s.orphaned_sessions == 1);
+    let device_pages = |id: u64| {
+        let info = session_info(&daemon, id).unwrap();
+        info.tiers.iter().find(|t| t.tier == "device").map_or(0, |t| t.pages)
+    };
+    let (kept_before, orphan_before) = (device_pages(attached), device_pages(orphan));
+
+    // A third session pushes the device past its high watermark (90% of 32 MiB): the drain to the
+    // low watermark moves about 8 MB, less than the orphan holds, so only the orphan's pages go,
+    // although it is as much a foreground session as the others.
+    let mut third = spawn_client("run", &daemon, &["--layers", "6", "--tokens", "1800", "--no-attend", "--seed", "9"]);
+    third.expect_line("appended");
+    let (s, _) = daemon.wait_status(Duration::from_secs(10), |s| s.tiers[0].used_bytes <= (32 << 20) / 100 * 85);
+    let (kept_after, orphan_after) = (device_pages(attached), device_pages(orphan));
+    println!("device pages: attached {kept_before} -> {kept_after}, orphaned {orphan_before} -> {orphan_after}");
+    assert!(s.tiers[0].used_bytes <= (32 << 20) / 100 * 85, "{s:?}");
+    assert_eq!(kept_after, kept_before, "the attached session kept every page on the device");
+    assert!(orphan_after < orphan_before, "the orphan's pages went to DRAM");
+
+    // Resumed, it reads every page again, wherever it went (faulted back, in the format it was
+    // demoted to), and the output matches its own copy of the K/V through that format.
+    let mut back = spawn_client("run", &daemon, &["--resume", &id, "--layers", "6", "--tokens", "2600", "--seed", "7"]);
+    back.expect_line("resumed");
+    back.send("check 1");
+    let checked = fields(&back.expect_line("checked"));
+    println!("resumed after demotion: {checked:?}");
+    assert!(checked["faults"].parse::<u64>().unwrap() > 0, "{checked:?}");
+    for mut c in [kept, third, back] {
+        c.send("exit");
+        c.expect_line("detached");
+    }
+    assert!(daemon.stop().success());
+}
