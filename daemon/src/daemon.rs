@@ -690,19 +690,37 @@ impl Daemon {
     pub fn revoke(&self, ids: &[u64]) {
         let mut core = self.core.lock();
         for &id in ids {
-            let Some(uid) = core.sessions.get_unchecked(id).map(|s| s.owner.uid) else { continue };
-            match destroy(&mut core, self.flash.as_ref(), id, TableStatus::Revoked, true) {
-                Ok(wiped) => {
-                    core.sessions.remember_wiped(id, uid, WipedBy::PinLease);
-                    crate::limited!(
-                        warn,
-                        session = id,
-                        uid,
-                        bytes = wiped.total(),
-                        "session revoked: one of its pages stayed pinned past the pin lease"
-                    );
-                }
-                Err(e) => tracing::error!(session = id, error = %e, "revoking a session failed"),
+            if let Some((uid, wiped)) = self.end_for(&mut core, id, WipedBy::PinLease) {
+                crate::limited!(
+                    warn,
+                    session = id,
+                    uid,
+                    bytes = wiped.total(),
+                    "session revoked: one of its pages stayed pinned past the pin lease"
+                );
+            }
+        }
+    }
+
+    /// Ends session `id` for the reason `by`, as [`destroy`] does (an operator's and a revocation
+    /// hold pinned frames; the table tells the client which), and remembers why for its client's
+    /// next call. Returns its owner's uid and what was wiped; `None` when it is gone already or the
+    /// wipe failed (logged).
+    fn end_for(&self, core: &mut MutexGuard<'_, Core>, id: u64, by: WipedBy) -> Option<(u32, WipeReport)> {
+        let uid = core.sessions.get_unchecked(id)?.owner.uid;
+        let (status, hold_pinned) = match by {
+            WipedBy::Operator => (TableStatus::Wiped, true),
+            WipedBy::PinLease => (TableStatus::Revoked, true),
+            WipedBy::LingerExpired => (TableStatus::Closed, false),
+        };
+        match destroy(core, self.flash.as_ref(), id, status, hold_pinned) {
+            Ok(wiped) => {
+                core.sessions.remember_wiped(id, uid, by);
+                Some((uid, wiped))
+            }
+            Err(e) => {
+                tracing::error!(session = id, error = %e, ?by, "wiping a session failed");
+                None
             }
         }
     }
@@ -808,19 +826,14 @@ impl Daemon {
     pub fn expire_orphans(&self, now: Instant) {
         let mut core = self.core.lock();
         for id in core.sessions.ids_expired(now) {
-            let Some(uid) = core.sessions.get_unchecked(id).map(|s| s.owner.uid) else { continue };
-            match destroy(&mut core, self.flash.as_ref(), id, TableStatus::Closed, false) {
-                Ok(wiped) => {
-                    core.sessions.remember_wiped(id, uid, WipedBy::LingerExpired);
-                    crate::limited!(
-                        info,
-                        session = id,
-                        uid,
-                        bytes = wiped.total(),
-                        "no process resumed the session within its linger time; session wiped"
-                    );
-                }
-                Err(e) => tracing::error!(session = id, error = %e, "wiping an expired session failed"),
+            if let Some((uid, wiped)) = self.end_for(&mut core, id, WipedBy::LingerExpired) {
+                crate::limited!(
+                    info,
+                    session = id,
+                    uid,
+                    bytes = wiped.total(),
+                    "no process resumed the session within its linger time; session wiped"
+                );
             }
         }
     }

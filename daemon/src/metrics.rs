@@ -12,8 +12,8 @@
 //! - **Read at scrape time** from state the daemon keeps anyway ([`Metrics::encode`] refreshes them
 //!   first, under a scrape lock so concurrent scrapes do not interleave): pages and bytes by tier and
 //!   format (`Daemon::usage`), demotions/promotions and authentication failures (`TierCounters`),
-//!   flash bytes (the flash tier's `TierStats`), the mode, thermal-throttle entries, sessions, stuck
-//!   pins (`session::pins`) and uptime. Nothing is counted twice.
+//!   flash bytes (the flash tier's `TierStats`), the mode, thermal-throttle entries, sessions
+//!   (and orphaned ones), stuck pins (`session::pins`) and uptime. Nothing is counted twice.
 //!
 //! Invariant: every family is registered in [`Metrics::new`] and nowhere else, and every label set
 //! it can take is created there too (tiers × formats, engine × op, codes, modes), so each family has
@@ -106,6 +106,7 @@ struct Families {
     mode: Family<L1, Gauge>,
     sessions: Gauge,
     stuck_pins: Gauge,
+    orphaned_sessions: Gauge,
     uptime: Gauge<f64, AtomicU64>,
 }
 
@@ -202,6 +203,7 @@ impl Metrics {
             mode: Family::default(),
             sessions: Gauge::default(),
             stuck_pins: Gauge::default(),
+            orphaned_sessions: Gauge::default(),
             uptime: Gauge::default(),
             registry: Registry::default(),
         };
@@ -277,6 +279,11 @@ impl Metrics {
             "kvmm_daemon_stuck_pins",
             "Pages clients have held pinned past the pin lease (without an unpin)",
             f.stuck_pins.clone(),
+        );
+        registry.register(
+            "kvmm_daemon_orphaned_sessions",
+            "Lingering sessions whose connection closed, waiting for a Resume",
+            f.orphaned_sessions.clone(),
         );
         registry.register("kvmm_daemon_uptime_seconds", "Seconds since kvmmd started", f.uptime.clone());
         f.create_series();
@@ -370,6 +377,7 @@ impl Metrics {
         }
         f.sessions.set(i64::from(status.sessions));
         f.stuck_pins.set(i64::from(status.stuck_pins));
+        f.orphaned_sessions.set(i64::from(status.orphaned_sessions));
         f.uptime.set(daemon.started.elapsed().as_secs_f64());
     }
 }
@@ -410,7 +418,7 @@ mod tests {
         let m = Metrics::new(Some("io_uring"));
         let text = m.encode_registry();
         let names = families(&text);
-        assert_eq!(names.len(), 17, "{text}");
+        assert_eq!(names.len(), 18, "{text}");
         let subsystems = ["tier", "fault", "flash", "seal", "demotion", "rpc", "policy", "daemon"];
         for name in &names {
             let parts: Vec<&str> = name.split('_').collect();

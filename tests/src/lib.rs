@@ -256,6 +256,20 @@ impl Daemon {
         admin_at(&self.dir.path().join("kvmm-admin.sock"), call)
     }
 
+    /// `kvmmctl --socket <this daemon's admin socket> args...`: its standard output (it must
+    /// succeed).
+    pub fn kvmmctl(&self, args: &[&str]) -> String {
+        let out = Command::new(workspace_bin("kvmmctl"))
+            .arg("--socket")
+            .arg(self.dir.path().join("kvmm-admin.sock"))
+            .args(args)
+            .env_remove("KVMM_ADMIN_SOCKET")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "kvmmctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    }
+
     /// Admin `Status`.
     pub fn status(&self) -> StatusResponse {
         self.admin(async |mut admin| admin.status(StatusRequest {}).await.unwrap().into_inner())

@@ -10,20 +10,7 @@
 use std::time::{Duration, Instant};
 
 use kvmm_proto::v1::{ListSessionsRequest, PageFormat, SessionInfo};
-use kvmm_tests::{Daemon, fields, spawn_client, workspace_bin};
-
-/// `kvmmctl --socket <the daemon's admin socket> args...`: its standard output (it must succeed).
-fn kvmmctl(daemon: &Daemon, args: &[&str]) -> String {
-    let out = std::process::Command::new(workspace_bin("kvmmctl"))
-        .arg("--socket")
-        .arg(daemon.dir().join("kvmm-admin.sock"))
-        .args(args)
-        .env_remove("KVMM_ADMIN_SOCKET")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "kvmmctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
-}
+use kvmm_tests::{Daemon, fields, spawn_client};
 
 fn session_info(daemon: &Daemon, id: u64) -> Option<SessionInfo> {
     let listed = daemon.admin(async |mut a| a.list_sessions(ListSessionsRequest {}).await.unwrap().into_inner());
@@ -67,11 +54,11 @@ fn a_lingering_session_outlives_its_client_and_a_new_process_takes_it_over() {
     assert_eq!((s.sessions, s.session_bytes), (1, bytes), "{s:?}");
     let info = session_info(&daemon, session).unwrap();
     assert!(info.orphaned_ms > 0 && info.linger_ms == 30_000 && info.tokens == 100, "{info:?}");
-    let human = kvmmctl(&daemon, &["session", &id]);
+    let human = daemon.kvmmctl(&["session", &id]);
     assert!(human.contains("orphaned: its connection closed") && human.contains("wiped after 30.0s"), "{human}");
-    let status: serde_json::Value = serde_json::from_str(&kvmmctl(&daemon, &["--json", "status"])).unwrap();
+    let status: serde_json::Value = serde_json::from_str(&daemon.kvmmctl(&["--json", "status"])).unwrap();
     assert_eq!((status["orphaned_sessions"].as_u64(), status["max_linger_ms"].as_u64()), (Some(1), Some(300_000)));
-    assert!(kvmmctl(&daemon, &["status"]).contains("orphaned sessions: 1 waiting for a Resume"));
+    assert!(daemon.kvmmctl(&["status"]).contains("orphaned sessions: 1 waiting for a Resume"));
     assert!(daemon.log().contains("session kept for a Resume"), "{}", daemon.log());
 
     // A new process takes it over: the token counts came along, every layer's attention matches its

@@ -158,6 +158,12 @@ fn every_declared_metric_moves_under_a_workload() {
     holder.expect_line("pinned");
     daemon.wait_status(Duration::from_secs(10), |s| s.stuck_pins == 1);
 
+    // A lingering session whose client died.
+    let mut gone = spawn_client("raw-attach", &daemon, &["--linger-ms", "60000"]);
+    gone.expect_line("attached");
+    gone.kill9();
+    daemon.wait_status(Duration::from_secs(10), |s| s.orphaned_sessions == 1);
+
     let after = parse(&metrics_text(&daemon));
     let declared: BTreeSet<&String> = before.keys().collect();
     assert_eq!(declared, after.keys().collect(), "the registry declares the same families on every scrape");
@@ -195,8 +201,9 @@ fn every_declared_metric_moves_under_a_workload() {
     };
     assert!(flash_bytes("read") > 0.0 && flash_bytes("written") > 0.0);
     // Client a is still attached, its 2 layers × 12 pages (extended 4 at a time) all back on the
-    // device, and so is the holder with its one pinned page.
-    assert_eq!(value(&after, "kvmm_daemon_sessions", "kvmm_daemon_sessions"), 2.0);
+    // device, and so is the holder with its one pinned page; the orphan has none.
+    assert_eq!(value(&after, "kvmm_daemon_sessions", "kvmm_daemon_sessions"), 3.0);
+    assert_eq!(value(&after, "kvmm_daemon_orphaned_sessions", "kvmm_daemon_orphaned_sessions"), 1.0);
     assert_eq!(value(&after, "kvmm_daemon_stuck_pins", "kvmm_daemon_stuck_pins"), 1.0);
     let device_pages: f64 =
         after["kvmm_tier_pages"].iter().filter(|(k, _)| k.contains("tier=\"device\"")).map(|(_, v)| v).sum();

@@ -10,23 +10,9 @@
 use std::time::{Duration, Instant};
 
 use kvmm_proto::v1::{ListSessionsRequest, MetricsRequest, SessionInfo, StatusRequest};
-use kvmm_tests::{Daemon, fields, spawn_client, workspace_bin};
+use kvmm_tests::{Daemon, fields, spawn_client};
 
 const LEASE_MS: u64 = 300;
-
-/// `kvmmctl --socket <the daemon's admin socket> args...`: its standard output (it must succeed).
-fn kvmmctl(daemon: &Daemon, args: &[&str]) -> String {
-    let socket = daemon.dir().join("kvmm-admin.sock");
-    let out = std::process::Command::new(workspace_bin("kvmmctl"))
-        .arg("--socket")
-        .arg(&socket)
-        .args(args)
-        .env_remove("KVMM_ADMIN_SOCKET")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "kvmmctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
-}
 
 fn session_info(daemon: &Daemon, id: u64) -> SessionInfo {
     let listed = daemon.admin(async |mut a| a.list_sessions(ListSessionsRequest {}).await.unwrap().into_inner());
@@ -58,16 +44,16 @@ fn a_pin_held_past_the_lease_is_reported_and_a_busy_reader_is_not() {
     let busy_info = session_info(&daemon, busy_session);
     assert_eq!((busy_info.stuck_pins, busy_info.longest_pin_ms), (0, 0), "{busy_info:?}");
     // kvmmctl shows the same.
-    let status: serde_json::Value = serde_json::from_str(&kvmmctl(&daemon, &["--json", "status"])).unwrap();
+    let status: serde_json::Value = serde_json::from_str(&daemon.kvmmctl(&["--json", "status"])).unwrap();
     assert_eq!((status["stuck_pins"].as_u64(), status["pin_lease_ms"].as_u64()), (Some(1), Some(LEASE_MS)));
-    let listed: serde_json::Value = serde_json::from_str(&kvmmctl(&daemon, &["--json", "sessions"])).unwrap();
+    let listed: serde_json::Value = serde_json::from_str(&daemon.kvmmctl(&["--json", "sessions"])).unwrap();
     let stuck_of = |id: u64| {
         listed["sessions"].as_array().unwrap().iter().find(|s| s["session_id"] == id).unwrap()["stuck_pins"].as_u64()
     };
     assert_eq!((stuck_of(held), stuck_of(busy_session)), (Some(1), Some(0)), "{listed}");
-    let human = kvmmctl(&daemon, &["status"]);
+    let human = daemon.kvmmctl(&["status"]);
     assert!(human.contains("stuck pins: 1 page(s) held pinned past the 300ms pin lease"), "{human}");
-    let human = kvmmctl(&daemon, &["session", &held.to_string()]);
+    let human = daemon.kvmmctl(&["session", &held.to_string()]);
     assert!(human.contains("stuck pins: 1 page(s) held pinned past the pin lease, the longest for"), "{human}");
     let metrics = daemon.admin(async |mut a| a.metrics(MetricsRequest {}).await.unwrap().into_inner().text);
     assert!(metrics.contains("\nkvmm_daemon_stuck_pins 1\n"), "{metrics}");

@@ -48,7 +48,8 @@ pub fn process_name(pid: i32) -> String {
     host.process(pid).map(|p| p.name().to_string_lossy().into_owned()).unwrap_or_default()
 }
 
-/// Scheduling class: victims of demotion are taken batch → background → foreground.
+/// Scheduling class: victims of demotion are taken batch → background → foreground (orphaned
+/// sessions, whatever their class, before all of them).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Priority {
     /// Interactive work; demoted last.
