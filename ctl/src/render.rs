@@ -249,7 +249,8 @@ pub fn session_cells(s: &pb::SessionInfo) -> [String; 12] {
     [
         s.session_id.to_string(),
         s.uid.to_string(),
-        s.pid.to_string(),
+        // An orphan's process is gone (or let go of it): it waits for a Resume.
+        if s.orphaned_ms > 0 { "gone".to_owned() } else { s.pid.to_string() },
         s.executable.clone(),
         s.model_id.clone(),
         priority(s.priority),

@@ -734,9 +734,11 @@ impl Daemon {
                 && let Some(s) = core.sessions.get_mut_unchecked(id)
                 && !s.linger.is_zero()
             {
+                let started = Instant::now();
                 match orphan(s) {
                     Ok(()) => {
                         let linger_ms = s.linger.as_millis() as u64;
+                        let took_us = started.elapsed().as_micros() as u64;
                         core.tokens.remove(id);
                         core.pins.forget(id);
                         crate::limited!(
@@ -744,6 +746,7 @@ impl Daemon {
                             session = id,
                             conn = conn.0,
                             linger_ms,
+                            took_us,
                             "client went away; session kept for a Resume"
                         );
                         continue;

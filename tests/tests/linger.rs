@@ -59,6 +59,9 @@ fn a_lingering_session_outlives_its_client_and_a_new_process_takes_it_over() {
     let status: serde_json::Value = serde_json::from_str(&daemon.kvmmctl(&["--json", "status"])).unwrap();
     assert_eq!((status["orphaned_sessions"].as_u64(), status["max_linger_ms"].as_u64()), (Some(1), Some(300_000)));
     assert!(daemon.kvmmctl(&["status"]).contains("orphaned sessions: 1 waiting for a Resume"));
+    let listed = daemon.kvmmctl(&["sessions"]);
+    let row = listed.lines().find(|l| l.trim_start().starts_with(&id)).unwrap_or_else(|| panic!("{listed}"));
+    assert!(row.contains(" gone "), "an orphan's PID reads gone: {listed}");
     assert!(daemon.log().contains("session kept for a Resume"), "{}", daemon.log());
 
     // A new process takes it over: the token counts came along, every layer's attention matches its

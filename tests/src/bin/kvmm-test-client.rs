@@ -28,7 +28,8 @@
 //!   `--resume S --tokens N` takes over session S (whose process appended N tokens with the same
 //!   seed and `--no-attend`, then went away) instead of attaching: it rebuilds its own copy of that
 //!   K/V without appending, checks the token counts the session carried over, prints
-//!   `resumed session=S tokens=T blocks=B` and obeys the same commands.
+//!   `resumed session=S tokens=T blocks=B resume_us=U` (U: the library's `resume`, handshake and
+//!   mappings included) and obeys the same commands.
 //! - `append-forever [geometry]`: append and attend until killed, printing `progress tokens=T`.
 //! - `raw-attach [geometry] [--fetch]`: Attach over gRPC without the library; print the session id
 //!   and token (and, with --fetch, the received arena's inode), then wait for `exit`.
@@ -489,10 +490,12 @@ fn run(a: &Args, forever: bool) {
         ..Default::default()
     };
     let resume: Option<u64> = a.0.get("resume").map(|id| id.parse().expect("--resume takes a session id"));
+    let started = std::time::Instant::now();
     let session = match resume {
         Some(id) => client.resume(id).unwrap_or_else(|e| die(e)),
         None => client.attach_with(g, opts).unwrap_or_else(|e| die(e)),
     };
+    let resume_us = started.elapsed().as_micros();
     assert_eq!(*session.geometry(), g, "the resumed session's geometry is the one given on the command line");
     let mut c = Checked {
         session,
@@ -528,10 +531,11 @@ fn run(a: &Args, forever: bool) {
             std::process::exit(3);
         }
         println!(
-            "resumed session={} tokens={} blocks={}",
+            "resumed session={} tokens={} blocks={} resume_us={}",
             c.session.id(),
             c.session.tokens(0),
-            c.session.allocated_blocks()
+            c.session.allocated_blocks(),
+            resume_us
         );
     } else {
         println!("attached session={}", c.session.id());
