@@ -29,7 +29,7 @@ pub use error::{Error, Result};
 pub use kvmm_kernels::ElementType;
 pub use kvmm_proto::v1 as proto;
 pub use kvmm_shm::Geometry;
-pub use session::{AttachOptions, Priority, Session, SessionStats};
+pub use session::{AttachOptions, ModelShape, Priority, Session, SessionStats};
 
 use kvmm_proto::v1::session_client::SessionClient;
 use tonic::transport::Channel;
@@ -81,9 +81,11 @@ impl Client {
     /// Takes over a session of this uid whose connection closed while it lingers
     /// ([`AttachOptions::linger`]): the `Resume` RPC, the fd handshake, and mapping the shared memory.
     /// The session's pages, token counts and attention mass are as its previous process left them;
-    /// appending carries on after the last published token, extending by the default batch.
-    pub fn resume(&self, session_id: u64) -> Result<Session> {
-        Session::resume(self.inner.clone(), session_id)
+    /// appending carries on after the last published token, extending by the default batch. With
+    /// `shape`, a session attached for a model of another shape is refused
+    /// (`FAILED_PRECONDITION`) and left as it was.
+    pub fn resume(&self, session_id: u64, shape: Option<ModelShape>) -> Result<Session> {
+        Session::resume(self.inner.clone(), session_id, shape)
     }
 
     /// A raw handle on the session service, for callers that need RPCs the `Session` API does not

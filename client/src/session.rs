@@ -85,6 +85,22 @@ impl Default for AttachOptions {
     }
 }
 
+/// The part of a session's geometry its model fixes: what [`crate::Client::resume`] checks before
+/// it takes a session over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ModelShape {
+    pub layers: u32,
+    pub kv_heads: u32,
+    pub q_heads: u32,
+    pub head_dim: u32,
+}
+
+impl From<&Geometry> for ModelShape {
+    fn from(g: &Geometry) -> ModelShape {
+        ModelShape { layers: g.layers, kv_heads: g.kv_heads, q_heads: g.q_heads, head_dim: g.head_dim }
+    }
+}
+
 /// What the daemon reports about a session.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SessionStats {
@@ -192,9 +208,17 @@ impl Session {
         }
     }
 
-    pub(crate) fn resume(inner: Arc<Inner>, session_id: u64) -> Result<Session> {
+    pub(crate) fn resume(inner: Arc<Inner>, session_id: u64, shape: Option<ModelShape>) -> Result<Session> {
         let mut rpc = inner.rpc.clone();
-        let granted = inner.runtime.block_on(rpc.resume(pb::ResumeRequest { session_id }))?.into_inner();
+        // Zero block_tokens and max_tokens and no element type: whatever the session has.
+        let geometry = shape.map(|s| pb::Geometry {
+            layers: s.layers,
+            kv_heads: s.kv_heads,
+            q_heads: s.q_heads,
+            head_dim: s.head_dim,
+            ..pb::Geometry::default()
+        });
+        let granted = inner.runtime.block_on(rpc.resume(pb::ResumeRequest { session_id, geometry }))?.into_inner();
         let geometry = granted
             .geometry
             .as_ref()

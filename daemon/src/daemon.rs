@@ -148,6 +148,73 @@ pub struct AttachGrant {
     pub allocated_blocks: u32,
 }
 
+/// The shape a `Resume` caller can use; `None` fields take whatever the session has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpectedShape {
+    pub layers: u32,
+    pub kv_heads: u32,
+    pub q_heads: u32,
+    pub head_dim: u32,
+    pub block_tokens: Option<u32>,
+    pub element_type: Option<kvmm_kernels::ElementType>,
+    pub max_tokens: Option<u32>,
+}
+
+impl ExpectedShape {
+    /// Why session `id` of geometry `g` does not have this shape, if it does not.
+    fn mismatch(&self, id: u64, g: &Geometry) -> Option<Error> {
+        let fits = (self.layers, self.kv_heads, self.q_heads, self.head_dim)
+            == (g.layers, g.kv_heads, g.q_heads, g.head_dim)
+            && self.block_tokens.is_none_or(|b| b == g.block_tokens)
+            && self.element_type.is_none_or(|e| e == g.element_type)
+            && self.max_tokens.is_none_or(|m| m == g.max_tokens);
+        (!fits).then(|| {
+            let have = ExpectedShape {
+                block_tokens: Some(g.block_tokens),
+                element_type: Some(g.element_type),
+                max_tokens: Some(g.max_tokens),
+                ..ExpectedShape::of_model(g)
+            };
+            Error::FailedPrecondition(format!(
+                "session {id} has {}, not {} as asked: it was attached for another model; it is left as it was",
+                have.describe(),
+                self.describe()
+            ))
+        })
+    }
+
+    /// The model-fixed part of `g`.
+    fn of_model(g: &Geometry) -> ExpectedShape {
+        ExpectedShape {
+            layers: g.layers,
+            kv_heads: g.kv_heads,
+            q_heads: g.q_heads,
+            head_dim: g.head_dim,
+            block_tokens: None,
+            element_type: None,
+            max_tokens: None,
+        }
+    }
+
+    /// E.g. `5 layers, 4 KV heads, 8 query heads, head_dim 16, 32 tokens per block`.
+    fn describe(&self) -> String {
+        let mut out = format!(
+            "{} layers, {} KV heads, {} query heads, head_dim {}",
+            self.layers, self.kv_heads, self.q_heads, self.head_dim
+        );
+        if let Some(b) = self.block_tokens {
+            out += &format!(", {b} tokens per block");
+        }
+        if let Some(e) = self.element_type {
+            out += &format!(", {} elements", kvmm_kernels::Format::from(e).name());
+        }
+        if let Some(m) = self.max_tokens {
+            out += &format!(", room for {m} tokens");
+        }
+        out
+    }
+}
+
 /// The memfds handed out for one session (duplicates; the daemon keeps its own).
 #[derive(Debug)]
 pub struct FdGrant {
@@ -779,7 +846,8 @@ impl Daemon {
 
     /// Binds an orphaned session of the caller's uid to the caller's connection: the caller's process
     /// receives a fresh fd token, and the session lives and lingers as after `Attach`.
-    pub fn resume(&self, caller: ConnInfo, session_id: u64) -> Result<AttachGrant> {
+    /// With `expected`, a session of another shape is left as it was (`FAILED_PRECONDITION`).
+    pub fn resume(&self, caller: ConnInfo, session_id: u64, expected: Option<ExpectedShape>) -> Result<AttachGrant> {
         self.admit()?;
         let name = crate::session::process_name(caller.pid);
         let mut core = self.core.lock();
@@ -796,6 +864,9 @@ impl Daemon {
                 "session {session_id} is attached through a live connection; only a session whose connection has \
                  closed (and which lingers) can be resumed"
             )));
+        }
+        if let Some(e) = expected.and_then(|shape| shape.mismatch(session_id, &s.geometry)) {
+            return Err(e);
         }
         let fd_token = core.tokens.issue(session_id, caller.uid, caller.pid, self.config.fd_token_ttl)?;
         let Some(s) = core.sessions.get_mut_unchecked(session_id) else {
@@ -1503,7 +1574,40 @@ fn destroy(
 mod tests {
     use std::os::unix::fs::PermissionsExt;
 
-    use super::create_private_dir;
+    use super::{ExpectedShape, Geometry, create_private_dir};
+
+    #[test]
+    fn a_resume_takes_a_session_whose_shape_fits_and_says_why_one_does_not() {
+        let g = Geometry {
+            layers: 5,
+            kv_heads: 4,
+            q_heads: 8,
+            head_dim: 16,
+            block_tokens: 32,
+            element_type: kvmm_kernels::ElementType::F16,
+            max_tokens: 256,
+        };
+        let model = ExpectedShape::of_model(&g);
+        assert!(model.mismatch(7, &g).is_none(), "unset fields take the session's");
+        let exact = ExpectedShape { block_tokens: Some(32), max_tokens: Some(256), ..model };
+        assert!(exact.mismatch(7, &g).is_none());
+        for wrong in [
+            ExpectedShape { layers: 6, ..model },
+            ExpectedShape { head_dim: 32, ..model },
+            ExpectedShape { block_tokens: Some(16), ..model },
+            ExpectedShape { element_type: Some(kvmm_kernels::ElementType::Bf16), ..model },
+            ExpectedShape { max_tokens: Some(512), ..model },
+        ] {
+            let e = wrong.mismatch(7, &g).unwrap().to_string();
+            assert!(
+                e.starts_with(
+                    "session 7 has 5 layers, 4 KV heads, 8 query heads, head_dim 16, 32 tokens per block, \
+                               f16 elements, room for 256 tokens, not "
+                ) && e.ends_with("as asked: it was attached for another model; it is left as it was"),
+                "{e}"
+            );
+        }
+    }
 
     #[test]
     fn the_flash_directory_is_created_private_and_an_existing_one_is_left_alone() {

@@ -28,7 +28,7 @@
 
 use std::path::Path;
 
-use kvmm_client::{AttachOptions, Client, ElementType, Geometry, Priority, Session, SessionStats};
+use kvmm_client::{AttachOptions, Client, ElementType, Geometry, ModelShape, Priority, Session, SessionStats};
 
 use crate::config::ModelConfig;
 use crate::error::InferError;
@@ -51,6 +51,9 @@ pub struct KvmmCacheOptions {
     pub model_id: String,
     /// Scheduling class: the daemon demotes background and batch sessions' pages first.
     pub priority: Priority,
+    /// How long the session outlives this process's connection, for another process to take it
+    /// over with [`KvmmKvCache::resume`] (zero: not at all).
+    pub linger: std::time::Duration,
 }
 
 impl Default for KvmmCacheOptions {
@@ -60,6 +63,7 @@ impl Default for KvmmCacheOptions {
             element_type: ElementType::F16,
             model_id: String::new(),
             priority: Priority::Foreground,
+            linger: std::time::Duration::ZERO,
         }
     }
 }
@@ -117,15 +121,12 @@ impl KvmmKvCache {
                 config.seq_len
             )));
         }
-        let padded = padded_head_dim(config.head_dim)?;
-        let narrow = |what: &str, v: usize| {
-            u32::try_from(v).map_err(|_| InferError::InvalidArgument(format!("{what} {v} does not fit a kvmm session")))
-        };
+        let (shape, padded) = model_shape(config)?;
         let geometry = Geometry {
-            layers: narrow("layers", config.layers)?,
-            kv_heads: narrow("kv_heads", config.kv_heads)?,
-            q_heads: narrow("heads", config.heads)?,
-            head_dim: narrow("head_dim", padded)?,
+            layers: shape.layers,
+            kv_heads: shape.kv_heads,
+            q_heads: shape.q_heads,
+            head_dim: shape.head_dim,
             block_tokens: options.block_tokens,
             element_type: options.element_type,
             max_tokens: narrow("max_tokens", max_tokens)?,
@@ -133,14 +134,40 @@ impl KvmmKvCache {
         if let Err(e) = geometry.validate() {
             return Err(InferError::InvalidArgument(format!("this model's KV cache does not fit a kvmm session: {e}")));
         }
-        let attach =
-            AttachOptions { model_id: options.model_id, priority: options.priority, ..AttachOptions::default() };
-        let mut session = client
+        let attach = AttachOptions {
+            model_id: options.model_id,
+            priority: options.priority,
+            linger: options.linger,
+            ..AttachOptions::default()
+        };
+        let session = client
             .attach_with(geometry, attach)
             .map_err(|e| InferError::CacheSetup { what: "attach a session".to_owned(), source: Box::new(e) })?;
+        Ok(Self::over(session, config, padded, max_tokens))
+    }
+
+    /// Takes over session `session_id`, which another process of this uid attached for the same
+    /// model with a linger and then left (it exited, crashed or lost its connection): the cache
+    /// holds the tokens that process appended, and the next position to run is
+    /// [`KvCache::tokens`]. A session of another model's shape is refused and left as it was.
+    pub fn resume(client: &Client, config: &ModelConfig, session_id: u64) -> Result<Self, InferError> {
+        config.validate()?;
+        let (shape, padded) = model_shape(config)?;
+        // The daemon checks the shape before it hands the session over, so a session of another
+        // model stays where it was, for the process that can use it.
+        let session = client.resume(session_id, Some(shape)).map_err(|e| InferError::CacheSetup {
+            what: format!("resume session {session_id}"),
+            source: Box::new(e),
+        })?;
+        let max_tokens = (session.geometry().max_tokens as usize).min(config.seq_len);
+        Ok(Self::over(session, config, padded, max_tokens))
+    }
+
+    /// The cache over an attached (or resumed) session of `config`'s shape.
+    fn over(mut session: Session, config: &ModelConfig, padded: usize, max_tokens: usize) -> Self {
         session.set_scale(1.0 / (config.head_dim as f32).sqrt());
         let pad = |heads: usize| if padded == config.head_dim { Vec::new() } else { vec![0.0; heads * padded] };
-        Ok(KvmmKvCache {
+        KvmmKvCache {
             session,
             head_dim: config.head_dim,
             padded,
@@ -151,7 +178,7 @@ impl KvmmKvCache {
             v: pad(config.kv_heads),
             q: pad(config.heads),
             out: pad(config.heads),
-        })
+        }
     }
 
     /// The session behind the cache (its id, geometry, last read formats, prefetch hints).
@@ -192,6 +219,24 @@ impl KvmmKvCache {
     fn failed(layer: usize) -> impl FnOnce(kvmm_client::Error) -> InferError {
         move |e| InferError::Cache { layer, source: Box::new(e) }
     }
+}
+
+/// `v` as a session's `u32` field `what`.
+fn narrow(what: &str, v: usize) -> Result<u32, InferError> {
+    u32::try_from(v).map_err(|_| InferError::InvalidArgument(format!("{what} {v} does not fit a kvmm session")))
+}
+
+/// The session shape `config`'s KV cache takes (heads padded to [`CHANNEL_STEP`]), and its padded
+/// channels per head.
+fn model_shape(config: &ModelConfig) -> Result<(ModelShape, usize), InferError> {
+    let padded = padded_head_dim(config.head_dim)?;
+    let shape = ModelShape {
+        layers: narrow("layers", config.layers)?,
+        kv_heads: narrow("kv_heads", config.kv_heads)?,
+        q_heads: narrow("heads", config.heads)?,
+        head_dim: narrow("head_dim", padded)?,
+    };
+    Ok((shape, padded))
 }
 
 /// `head_dim` rounded up to a multiple of [`CHANNEL_STEP`], or why kvmm cannot hold such heads.

@@ -5,7 +5,9 @@
 //!   cache: to f32 rounding over the same f16-rounded rows, to f16 rounding over the raw rows.
 //! - stories260K greedy from BOS through kvmm (f16 pages) reproduces llama2.c's 256 golden ids, also
 //!   when every few steps the session's full pages are forced down to DRAM or flash (lossless
-//!   ladder, `--demote-format none`) and attention faults them back.
+//!   ladder, `--demote-format none`) and attention faults them back; and when a first process runs
+//!   the first 100 positions into a lingering session and exits without detaching, a second
+//!   process resumes the session and carries on to the same 256 ids.
 //! - `kvmm-generate --kv kvmm` prints the golden story; with `--kv-format q8` it has the daemon
 //!   recompress the pages outside the sink page and the recent window, and reads them as q8.
 //!   Without the admin API (uid 65534) q8 is refused with a sentence saying why; f16 runs.
@@ -18,6 +20,7 @@
 #![allow(clippy::unwrap_used)]
 
 use std::process::Command;
+use std::time::Duration;
 
 use kvmm_infer::generate::Stop;
 use kvmm_infer::model::gguf;
@@ -181,6 +184,65 @@ fn stories260k_greedy_stays_exact_while_its_pages_go_to_flash_and_back() {
     let flash_tier = s.tiers.iter().find(|t| t.tier == "flash").unwrap();
     assert!(flash_tier.pages_in > 0 && flash_tier.pages_in == flash_tier.pages_out, "{flash_tier:?}");
     assert!(cache.session().last_formats().iter().all(|f| *f == Some(kvmm_kernels::Format::F16)), "lossless");
+}
+
+/// Set in the environment of the first process of
+/// [`stories260k_generation_carries_on_in_a_process_that_resumes_the_session`] (this test binary run
+/// again for that test alone): the session socket.
+const FIRST_PROCESS: &str = "KVMM_TEST_FIRST_PROCESS_SOCKET";
+
+#[test]
+fn stories260k_generation_carries_on_in_a_process_that_resumes_the_session() {
+    let model = models::stories260k();
+    if let Ok(socket) = std::env::var(FIRST_PROCESS) {
+        // The first process: 100 positions from BOS into a session that lingers, then gone
+        // without detaching (no destructor runs), as a crash would leave it.
+        let options = KvmmCacheOptions { linger: Duration::from_secs(60), ..KvmmCacheOptions::default() };
+        let mut cache = KvmmKvCache::connect(socket.as_ref(), model.config(), 256, options).unwrap();
+        let generated = greedy_with(&model, &mut cache, 100, |_, _| {});
+        let ids: Vec<String> = generated.iter().map(u32::to_string).collect();
+        println!("first-process session={} generated={}", cache.session().id(), ids.join(","));
+        std::process::exit(0);
+    }
+    let daemon = Daemon::start(&[]);
+    let first = Command::new(std::env::current_exe().unwrap())
+        .args(["stories260k_generation_carries_on_in_a_process_that_resumes_the_session", "--exact", "--nocapture"])
+        .env(FIRST_PROCESS, daemon.socket())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&first.stdout);
+    assert!(first.status.success(), "{stdout}{}", String::from_utf8_lossy(&first.stderr));
+    let line = stdout.lines().find_map(|l| l.strip_prefix("first-process ")).unwrap_or_else(|| panic!("{stdout}"));
+    let fields: std::collections::HashMap<&str, &str> = line.split(' ').filter_map(|f| f.split_once('=')).collect();
+    let session: u64 = fields["session"].parse().unwrap();
+    let mut generated: Vec<u32> = fields["generated"].split(',').map(|t| t.parse().unwrap()).collect();
+    daemon.wait_status(Duration::from_secs(10), |s| s.orphaned_sessions == 1);
+
+    // This process takes the session over: its 100 positions are there, and greedy decoding
+    // carries on from the last generated id (chosen, not yet fed) to llama2.c's golden 256.
+    let client = kvmm_client::Client::connect(daemon.socket()).unwrap();
+    // A model of another shape cannot take it over, and leaves it for one that can.
+    let refused = KvmmKvCache::resume(&client, &shape(4, 2, 16, 3), session).unwrap_err();
+    let other = format!("{refused}: {}", std::error::Error::source(&refused).unwrap());
+    println!("{other}");
+    assert!(other.contains("attached for another model") && other.contains("left as it was"), "{other}");
+    assert_eq!(daemon.status().orphaned_sessions, 1);
+    let mut cache = KvmmKvCache::resume(&client, model.config(), session).unwrap();
+    assert_eq!((0..5).map(|l| cache.tokens(l)).collect::<Vec<_>>(), [100; 5]);
+    let mut forward = Forward::new(&model);
+    let mut token = *generated.last().unwrap();
+    for pos in 100..256 {
+        token = argmax(forward.step(&model, &mut cache, token, pos).unwrap());
+        generated.push(token);
+    }
+    let golden = models::golden_ids();
+    let first_diff = generated.iter().zip(&golden).position(|(a, b)| a != b);
+    assert_eq!(first_diff, None, "the resumed generation diverges from the golden ids at step {first_diff:?}");
+    assert_eq!(generated, golden);
+    assert_eq!(cache.stats().unwrap().tokens, 256);
+
+    drop(cache);
+    assert!(daemon.stop().success());
 }
 
 /// Runs `kvmm-generate` on stories260K from BOS against `daemon` with `extra` flags; returns

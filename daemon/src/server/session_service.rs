@@ -11,7 +11,7 @@ use kvmm_shm::{DEFAULT_BLOCK_TOKENS, Geometry};
 use tonic::{Request, Response, Status};
 
 use super::conn::ConnInfo;
-use crate::daemon::{AttachGrant, Daemon, SessionOptions, WipeReport, WipeScope};
+use crate::daemon::{AttachGrant, Daemon, ExpectedShape, SessionOptions, WipeReport, WipeScope};
 use crate::error::Error;
 use crate::session::Priority;
 
@@ -83,6 +83,31 @@ pub fn geometry_from_pb(g: Option<pb::Geometry>) -> Result<Geometry, Error> {
     })
 }
 
+/// The shape a `Resume` expects, from the wire: zero `block_tokens` and `max_tokens` and an
+/// unspecified element type stand for whatever the session has.
+fn expected_shape(g: &pb::Geometry) -> Result<ExpectedShape, Error> {
+    let element_type = match pb::ElementType::try_from(g.element_type) {
+        Ok(pb::ElementType::Unspecified) => None,
+        Ok(pb::ElementType::F16) => Some(kvmm_kernels::ElementType::F16),
+        Ok(pb::ElementType::Bf16) => Some(kvmm_kernels::ElementType::Bf16),
+        Err(_) => {
+            return Err(Error::InvalidArgument(format!(
+                "element_type {} is unknown; use ELEMENT_TYPE_F16, ELEMENT_TYPE_BF16 or leave it unspecified",
+                g.element_type
+            )));
+        }
+    };
+    Ok(ExpectedShape {
+        layers: g.layers,
+        kv_heads: g.kv_heads,
+        q_heads: g.q_heads,
+        head_dim: g.head_dim,
+        block_tokens: (g.block_tokens != 0).then_some(g.block_tokens),
+        element_type,
+        max_tokens: (g.max_tokens != 0).then_some(g.max_tokens),
+    })
+}
+
 /// Converts a geometry to the wire.
 pub fn geometry_to_pb(g: &Geometry) -> pb::Geometry {
     pb::Geometry {
@@ -144,9 +169,11 @@ impl pb::session_server::Session for SessionService {
 
     async fn resume(&self, req: Request<pb::ResumeRequest>) -> Result<Response<pb::AttachResponse>, Status> {
         let who = caller(&req)?;
-        let session_id = req.into_inner().session_id;
+        let r = req.into_inner();
+        let session_id = r.session_id;
         let _span = tracing::info_span!("Resume", session = session_id, uid = who.uid, pid = who.pid).entered();
-        let g = self.daemon.resume(who, session_id).inspect_err(|e| {
+        let expected = r.geometry.map(|g| expected_shape(&g)).transpose()?;
+        let g = self.daemon.resume(who, session_id, expected).inspect_err(|e| {
             crate::limited!(info, code = ?super::status::code(e.kind()), error = %e, "Resume refused");
         })?;
         Ok(Response::new(self.grant_to_pb(&g)))

@@ -492,7 +492,7 @@ fn run(a: &Args, forever: bool) {
     let resume: Option<u64> = a.0.get("resume").map(|id| id.parse().expect("--resume takes a session id"));
     let started = std::time::Instant::now();
     let session = match resume {
-        Some(id) => client.resume(id).unwrap_or_else(|e| die(e)),
+        Some(id) => client.resume(id, Some((&g).into())).unwrap_or_else(|e| die(e)),
         None => client.attach_with(g, opts).unwrap_or_else(|e| die(e)),
     };
     let resume_us = started.elapsed().as_micros();
@@ -799,7 +799,7 @@ fn foreign(a: &Args) {
         .map(|_| ());
     let wipe = client.block_on(rpc.wipe(pb::WipeRequest { session_id })).map(|_| ());
     let detach = client.block_on(rpc.detach(pb::DetachRequest { session_id })).map(|_| ());
-    let resume = client.block_on(rpc.resume(pb::ResumeRequest { session_id })).map(|_| ());
+    let resume = client.block_on(rpc.resume(pb::ResumeRequest { session_id, geometry: None })).map(|_| ());
     println!(
         "foreign extend={} stats={} fault={} wipe={} detach={} resume={}",
         code(extend),
