@@ -23,6 +23,7 @@ pub mod session;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 pub use connect::default_socket;
 pub use error::{Error, Result};
@@ -48,6 +49,59 @@ pub(crate) struct Inner {
     pub(crate) rpc: SessionClient<Channel>,
     /// The fd socket beside the session socket.
     pub(crate) fd_socket: PathBuf,
+}
+
+/// A session of this uid that waits to be resumed, as [`Client::orphans`] lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Orphan {
+    /// The id to pass to [`Client::resume`].
+    pub session_id: u64,
+    /// The model id it was attached with.
+    pub model_id: String,
+    /// Its geometry.
+    pub geometry: Geometry,
+    /// Tokens its process published (the minimum over layers).
+    pub tokens: u64,
+    /// Pages allocated per layer.
+    pub allocated_blocks: u32,
+    /// How long it outlives its connection.
+    pub linger: Duration,
+    /// How long ago its connection closed.
+    pub orphaned_for: Duration,
+    /// How long until kvmmd wipes it, unless it is resumed.
+    pub expires_in: Duration,
+    /// Bytes its pages hold in every tier.
+    pub bytes: u64,
+    /// The process that left it.
+    pub pid: i32,
+    /// That process's name (empty if it could not be read).
+    pub process: String,
+}
+
+impl Orphan {
+    fn from_pb(o: proto::Orphan) -> Result<Orphan> {
+        let geometry = o.geometry.as_ref().map(session::geometry_from_pb).ok_or_else(|| {
+            Error::Protocol(format!("ListOrphans returned session {} without a geometry", o.session_id))
+        })?;
+        Ok(Orphan {
+            session_id: o.session_id,
+            model_id: o.model_id,
+            geometry,
+            tokens: o.tokens,
+            allocated_blocks: o.allocated_blocks,
+            linger: Duration::from_millis(o.linger_ms.into()),
+            orphaned_for: Duration::from_millis(o.orphaned_ms),
+            expires_in: Duration::from_millis(o.expires_in_ms),
+            bytes: o.bytes,
+            pid: o.pid,
+            process: o.process,
+        })
+    }
+
+    /// Whether a model of `shape` can resume it (the daemon refuses a `Resume` of another shape).
+    pub fn fits(&self, shape: &ModelShape) -> bool {
+        ModelShape::from(&self.geometry) == *shape
+    }
 }
 
 impl Client {
@@ -86,6 +140,25 @@ impl Client {
     /// (`FAILED_PRECONDITION`) and left as it was.
     pub fn resume(&self, session_id: u64, shape: Option<ModelShape>) -> Result<Session> {
         Session::resume(self.inner.clone(), session_id, shape)
+    }
+
+    /// The sessions of this uid that wait to be resumed (their process exited, crashed or closed its
+    /// connection while they linger), newest first; only those attached with `model_id` where one
+    /// is given. Another uid's sessions are never listed.
+    pub fn orphans(&self, model_id: Option<&str>) -> Result<Vec<Orphan>> {
+        let mut rpc = self.inner.rpc.clone();
+        let request = proto::ListOrphansRequest { model_id: model_id.unwrap_or_default().to_owned() };
+        let listed = self.inner.runtime.block_on(rpc.list_orphans(request))?.into_inner();
+        listed.orphans.into_iter().map(Orphan::from_pb).collect()
+    }
+
+    /// Ends a session of this uid that waits to be resumed, without resuming it: its pages are
+    /// wiped and freed at once instead of at the end of its linger time. Returns the bytes wiped.
+    /// (A session this client holds is ended with [`Session::detach`].)
+    pub fn discard(&self, session_id: u64) -> Result<u64> {
+        let mut rpc = self.inner.rpc.clone();
+        let r = self.inner.runtime.block_on(rpc.detach(proto::DetachRequest { session_id }))?;
+        Ok(r.into_inner().bytes_wiped)
     }
 
     /// A raw handle on the session service, for callers that need RPCs the `Session` API does not

@@ -837,7 +837,7 @@ pub fn geometry_to_pb(g: &Geometry) -> pb::Geometry {
 }
 
 /// A geometry from the wire, as the daemon accepted it.
-fn geometry_from_pb(g: &pb::Geometry) -> Geometry {
+pub(crate) fn geometry_from_pb(g: &pb::Geometry) -> Geometry {
     Geometry {
         layers: g.layers,
         kv_heads: g.kv_heads,

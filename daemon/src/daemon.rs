@@ -241,6 +241,31 @@ pub struct Residency {
     pub dropped: bool,
 }
 
+/// One orphaned session as `ListOrphans` shows it to its uid.
+#[derive(Clone, Debug)]
+pub struct OrphanInfo {
+    /// Id, for `Resume`.
+    pub session_id: u64,
+    /// The model id it was attached with.
+    pub model_id: String,
+    /// Geometry.
+    pub geometry: Geometry,
+    /// Tokens published (minimum over layers).
+    pub tokens: u64,
+    /// Blocks allocated per layer.
+    pub allocated_blocks: u32,
+    /// How long it lingers after its connection closed.
+    pub linger: std::time::Duration,
+    /// Since its connection closed.
+    pub orphaned: std::time::Duration,
+    /// Bytes of its pages in every tier.
+    pub bytes: u64,
+    /// The process that left it.
+    pub pid: i32,
+    /// That process's name.
+    pub process: String,
+}
+
 /// Per-session statistics.
 #[derive(Clone, Debug)]
 pub struct SessionStats {
@@ -701,12 +726,13 @@ impl Daemon {
         Ok((s.pages.allocated_blocks(), s.pages.bytes()))
     }
 
-    /// Destroys a session on its owner's request; returns the bytes wiped.
+    /// Destroys a session on its owner's request (through the connection that attached or resumed it,
+    /// or, once it is orphaned, any connection of its uid); returns the bytes wiped.
     pub fn detach(&self, caller: ConnInfo, session_id: u64) -> Result<u64> {
         let mut core = self.core.lock();
-        core.sessions.get(session_id, caller.uid, caller.id)?;
+        let orphaned = core.sessions.get_to_end(session_id, caller.uid, caller.id)?.orphaned.is_some();
         let bytes = destroy(&mut core, self.flash.as_ref(), session_id, TableStatus::Closed, false)?.total();
-        crate::limited!(info, session = session_id, bytes, "detached");
+        crate::limited!(info, session = session_id, bytes, orphaned, pid = caller.pid, "detached");
         Ok(bytes)
     }
 
@@ -718,7 +744,7 @@ impl Daemon {
     pub fn wipe(&self, which: WipeScope, by: ConnInfo, as_owner: bool) -> Result<WipeReport> {
         let mut core = self.core.lock();
         let ids = match which {
-            WipeScope::Session(id) if as_owner => vec![core.sessions.get(id, by.uid, by.id)?.id],
+            WipeScope::Session(id) if as_owner => vec![core.sessions.get_to_end(id, by.uid, by.id)?.id],
             WipeScope::Session(id) if let Some(gone) = core.sessions.wiped(id) => return Err(gone),
             WipeScope::Session(id) => vec![core.sessions.get_unchecked(id).ok_or(Error::UnknownSession(id))?.id],
             _ if as_owner => {
@@ -735,7 +761,7 @@ impl Daemon {
         for id in ids {
             let Some(uid) = core.sessions.get_unchecked(id).map(|s| s.owner.uid) else { continue };
             let wiped = destroy(&mut core, self.flash.as_ref(), id, TableStatus::Wiped, !as_owner)?;
-            core.sessions.remember_wiped(id, uid, WipedBy::Operator);
+            core.sessions.remember_wiped(id, uid, if as_owner { WipedBy::Owner } else { WipedBy::Operator });
             crate::limited!(
                 warn,
                 session = id,
@@ -777,6 +803,7 @@ impl Daemon {
         let uid = core.sessions.get_unchecked(id)?.owner.uid;
         let (status, hold_pinned) = match by {
             WipedBy::Operator => (TableStatus::Wiped, true),
+            WipedBy::Owner => (TableStatus::Wiped, false),
             WipedBy::PinLease => (TableStatus::Revoked, true),
             WipedBy::LingerExpired => (TableStatus::Closed, false),
         };
@@ -977,6 +1004,28 @@ impl Daemon {
             flash_bytes: s.pages.bytes_in(TierKind::Flash),
             pages: [TierKind::Device, TierKind::Dram, TierKind::Flash].map(|t| s.pages.count_in(t)),
         })
+    }
+
+    /// The caller's uid's orphaned sessions (of model `model_id` when it is not empty), newest first.
+    pub fn orphans(&self, caller: ConnInfo, model_id: &str) -> Vec<OrphanInfo> {
+        let core = self.core.lock();
+        core.sessions
+            .orphans_of_uid(caller.uid)
+            .into_iter()
+            .filter(|s| model_id.is_empty() || s.model_id == model_id)
+            .map(|s| OrphanInfo {
+                session_id: s.id,
+                model_id: s.model_id.clone(),
+                geometry: s.geometry,
+                tokens: s.tokens(),
+                allocated_blocks: s.pages.allocated_blocks(),
+                linger: s.linger,
+                orphaned: s.orphaned.map(|since| since.elapsed()).unwrap_or_default(),
+                bytes: [TierKind::Device, TierKind::Dram, TierKind::Flash].iter().map(|&t| s.pages.bytes_in(t)).sum(),
+                pid: s.owner.pid,
+                process: s.owner.name.clone(),
+            })
+            .collect()
     }
 
     /// Makes the listed pages resident and reports where they are: DRAM pages are copied back under

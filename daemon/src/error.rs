@@ -49,6 +49,9 @@ pub enum Error {
     /// An operator wiped the session: its data is gone.
     #[error("session {0} was wiped by an administrator; its data is gone: attach a new session")]
     Wiped(u64),
+    /// A process of the session's uid wiped it (its own `Wipe`): its data is gone.
+    #[error("session {0} was wiped at its owner's request (Wipe); its data is gone: attach a new session")]
+    WipedByOwner(u64),
     /// kvmmd revoked the session: one of its pages stayed pinned past the pin lease.
     #[error(
         "session {0} was revoked by kvmmd because one of its pages stayed pinned past the daemon's pin lease; its \
@@ -64,7 +67,7 @@ pub enum Error {
     /// The session's connection closed; it waits for a `Resume` and serves nothing else until then.
     #[error(
         "session {0} lost the connection that attached it and is waiting to be resumed: call Resume on it from \
-         this connection first"
+         this connection first, or Detach it to end it"
     )]
     Orphaned(u64),
     /// The caller is not the session's owner.
@@ -164,6 +167,7 @@ impl Error {
             }
             Error::FailedPrecondition(_)
             | Error::Wiped(_)
+            | Error::WipedByOwner(_)
             | Error::Revoked(_)
             | Error::Expired(_)
             | Error::Orphaned(_) => ErrorKind::FailedPrecondition,

@@ -153,12 +153,40 @@ impl KvmmKvCache {
     pub fn resume(client: &Client, config: &ModelConfig, session_id: u64) -> Result<Self, InferError> {
         config.validate()?;
         let (shape, padded) = model_shape(config)?;
+        Self::resume_shaped(client, config, shape, padded, session_id)
+            .map_err(|e| InferError::CacheSetup { what: format!("resume session {session_id}"), source: Box::new(e) })
+    }
+
+    /// Takes over the newest session of this uid that another process attached for `config`'s
+    /// model with `model_id` (see [`KvmmCacheOptions::model_id`]) and left, as
+    /// [`KvmmKvCache::resume`] does; `None` when kvmmd holds none. Sessions of another shape are
+    /// passed over, and so is one that another process resumes (or kvmmd wipes) first.
+    pub fn resume_newest(client: &Client, config: &ModelConfig, model_id: &str) -> Result<Option<Self>, InferError> {
+        config.validate()?;
+        let (shape, padded) = model_shape(config)?;
+        let setup = |what: String| move |e: kvmm_client::Error| InferError::CacheSetup { what, source: Box::new(e) };
+        let orphans = client.orphans(Some(model_id)).map_err(setup("list the sessions left to resume".to_owned()))?;
+        for orphan in orphans.iter().filter(|o| o.fits(&shape)) {
+            match Self::resume_shaped(client, config, shape, padded, orphan.session_id) {
+                Ok(cache) => return Ok(Some(cache)),
+                // Resumed by another process, or wiped, since it was listed.
+                Err(e) if matches!(e.code(), tonic::Code::FailedPrecondition | tonic::Code::NotFound) => continue,
+                Err(e) => return Err(setup(format!("resume session {}", orphan.session_id))(e)),
+            }
+        }
+        Ok(None)
+    }
+
+    fn resume_shaped(
+        client: &Client,
+        config: &ModelConfig,
+        shape: ModelShape,
+        padded: usize,
+        session_id: u64,
+    ) -> Result<Self, kvmm_client::Error> {
         // The daemon checks the shape before it hands the session over, so a session of another
         // model stays where it was, for the process that can use it.
-        let session = client.resume(session_id, Some(shape)).map_err(|e| InferError::CacheSetup {
-            what: format!("resume session {session_id}"),
-            source: Box::new(e),
-        })?;
+        let session = client.resume(session_id, Some(shape))?;
         let max_tokens = (session.geometry().max_tokens as usize).min(config.seq_len);
         Ok(Self::over(session, config, padded, max_tokens))
     }

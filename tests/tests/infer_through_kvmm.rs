@@ -7,7 +7,7 @@
 //!   when every few steps the session's full pages are forced down to DRAM or flash (lossless
 //!   ladder, `--demote-format none`) and attention faults them back; and when a first process runs
 //!   the first 100 positions into a lingering session and exits without detaching, a second
-//!   process resumes the session and carries on to the same 256 ids.
+//!   process finds the session by its model id, resumes it and carries on to the same 256 ids.
 //! - `kvmm-generate --kv kvmm` prints the golden story; with `--kv-format q8` it has the daemon
 //!   recompress the pages outside the sink page and the recent window, and reads them as q8.
 //!   Without the admin API (uid 65534) q8 is refused with a sentence saying why; f16 runs.
@@ -197,7 +197,11 @@ fn stories260k_generation_carries_on_in_a_process_that_resumes_the_session() {
     if let Ok(socket) = std::env::var(FIRST_PROCESS) {
         // The first process: 100 positions from BOS into a session that lingers, then gone
         // without detaching (no destructor runs), as a crash would leave it.
-        let options = KvmmCacheOptions { linger: Duration::from_secs(60), ..KvmmCacheOptions::default() };
+        let options = KvmmCacheOptions {
+            linger: Duration::from_secs(60),
+            model_id: "stories260K".to_owned(),
+            ..KvmmCacheOptions::default()
+        };
         let mut cache = KvmmKvCache::connect(socket.as_ref(), model.config(), 256, options).unwrap();
         let generated = greedy_with(&model, &mut cache, 100, |_, _| {});
         let ids: Vec<String> = generated.iter().map(u32::to_string).collect();
@@ -227,7 +231,13 @@ fn stories260k_generation_carries_on_in_a_process_that_resumes_the_session() {
     println!("{other}");
     assert!(other.contains("attached for another model") && other.contains("left as it was"), "{other}");
     assert_eq!(daemon.status().orphaned_sessions, 1);
-    let mut cache = KvmmKvCache::resume(&client, model.config(), session).unwrap();
+    // A process that kept no id finds the session by its model: not under another model id, not
+    // for a model of another shape.
+    assert!(KvmmKvCache::resume_newest(&client, model.config(), "another model").unwrap().is_none());
+    assert!(KvmmKvCache::resume_newest(&client, &shape(4, 2, 16, 3), "stories260K").unwrap().is_none());
+    assert_eq!(daemon.status().orphaned_sessions, 1);
+    let mut cache = KvmmKvCache::resume_newest(&client, model.config(), "stories260K").unwrap().unwrap();
+    assert_eq!(cache.session().id(), session);
     assert_eq!((0..5).map(|l| cache.tokens(l)).collect::<Vec<_>>(), [100; 5]);
     let mut forward = Forward::new(&model);
     let mut token = *generated.last().unwrap();

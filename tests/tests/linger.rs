@@ -3,7 +3,9 @@
 //! K/V intact and carrying on appending. While it waits it is reported as orphaned (Status,
 //! ListSessions, kvmmctl), serves nothing but `Resume`, and the pins its dead process held no
 //! longer keep its pages from moving; once its linger time has run out it is wiped, and a late
-//! `Resume` is told so. An `Attach` asking for more than `max_linger_ms` is refused.
+//! `Resume` is told so. An `Attach` asking for more than `max_linger_ms` is refused. A process of
+//! the same uid finds the orphans it may resume with `ListOrphans` (by model id, newest first;
+//! another uid sees none) and may end one with `Detach` or `Wipe` instead of resuming it.
 
 #![allow(clippy::unwrap_used)]
 
@@ -190,5 +192,101 @@ fn an_orphans_pages_leave_the_device_first_and_come_back_when_it_is_resumed() {
         c.send("exit");
         c.expect_line("detached");
     }
+    assert!(daemon.stop().success());
+}
+
+#[test]
+fn a_process_finds_the_sessions_its_uid_left_and_may_discard_them_instead() {
+    let daemon = Daemon::start(&["--device-budget", "64MiB", "--dram-budget", "0"]);
+    // Three sessions of this uid are left behind: two for the model "chat" (the second left last)
+    // and one for "code"; a fourth, of "chat" too, is still attached.
+    let left = |model: &str, tokens: &str| {
+        let mut c = spawn_client(
+            "run",
+            &daemon,
+            &["--linger-ms", "30000", "--model-id", model, "--tokens", tokens, "--no-attend", "--seed", "7"],
+        );
+        let id: u64 = fields(&c.expect_line("attached"))["session"].parse().unwrap();
+        c.expect_line("appended");
+        let pid = c.pid();
+        c.kill9();
+        (id, pid)
+    };
+    let (older, older_pid) = left("chat", "100");
+    let (code, _) = left("code", "50");
+    let (newer, newer_pid) = left("chat", "40");
+    let mut live = spawn_client("run", &daemon, &["--linger-ms", "30000", "--model-id", "chat", "--tokens", "10"]);
+    let attached: u64 = fields(&live.expect_line("attached"))["session"].parse().unwrap();
+    live.expect_line("appended");
+    daemon.wait_status(Duration::from_secs(10), |s| s.orphaned_sessions == 3);
+
+    // A new process of this uid finds what it left, newest first, by model.
+    let client = kvmm_client::Client::connect(daemon.socket()).unwrap();
+    let chat = client.orphans(Some("chat")).unwrap();
+    println!("{chat:#?}");
+    let ids: Vec<u64> = chat.iter().map(|o| o.session_id).collect();
+    assert_eq!(ids, [newer, older], "only orphans, only of the model asked for, newest first");
+    let (n, o) = (&chat[0], &chat[1]);
+    assert_eq!((n.tokens, o.tokens), (40, 100));
+    assert_eq!((n.pid as u32, o.pid as u32), (newer_pid, older_pid));
+    assert_eq!(n.model_id, "chat");
+    assert_eq!(n.linger, Duration::from_secs(30));
+    assert!(n.orphaned_for < o.orphaned_for, "{chat:?}");
+    assert!(n.expires_in > Duration::ZERO && n.expires_in + n.orphaned_for <= n.linger + Duration::from_millis(1));
+    assert!(n.fits(&(&n.geometry).into()) && n.geometry.layers > 0);
+    let info = session_info(&daemon, older).unwrap();
+    let tier_bytes: u64 = info.tiers.iter().map(|t| t.bytes).sum();
+    assert_eq!((o.bytes, o.tokens), (tier_bytes, info.tokens), "{info:?}");
+    assert!(o.allocated_blocks >= 100u32.div_ceil(o.geometry.block_tokens), "{o:?}");
+    let all: Vec<u64> = client.orphans(None).unwrap().iter().map(|o| o.session_id).collect();
+    assert_eq!(all, [newer, code, older]);
+    assert!(client.orphans(Some("nothing")).unwrap().is_empty());
+
+    // Another uid is shown none of them and can end none of them.
+    if kvmm_tests::can_run_as_nobody() {
+        let args = kvmm_tests::client_args("foreign", &daemon, &["--session", &older.to_string()]);
+        let mut foreign =
+            kvmm_tests::Worker::spawn_cmd(kvmm_tests::as_nobody(&kvmm_tests::client_bin(), None).args(&args));
+        let verdict = fields(&format!("x {}", foreign.expect_line("foreign")));
+        assert!(foreign.wait(Duration::from_secs(10)).success());
+        println!("uid 65534 on uid 0's orphan: {verdict:?}");
+        for rpc in ["detach", "wipe", "resume"] {
+            assert_eq!(verdict[rpc], "PermissionDenied", "{rpc}: {verdict:?}");
+        }
+        assert_eq!(verdict["orphans"], "0");
+        assert_eq!(daemon.status().orphaned_sessions, 3);
+    }
+
+    // This uid may end an orphan without resuming it: Detach from any of its connections frees its
+    // pages now rather than when its linger runs out, and it is gone for good.
+    let before = daemon.status().session_bytes;
+    let wiped = client.discard(older).unwrap();
+    assert_eq!(wiped, tier_bytes);
+    let s = daemon.status();
+    assert_eq!((s.orphaned_sessions, s.session_bytes), (2, before - tier_bytes), "{s:?}");
+    let gone = client.resume(older, None).unwrap_err();
+    assert_eq!(gone.code(), tonic::Code::NotFound, "{gone}");
+    // ... and so may its Wipe.
+    let mut rpc = client.rpc();
+    let report = client.block_on(rpc.wipe(kvmm_proto::v1::WipeRequest { session_id: code })).unwrap().into_inner();
+    assert_eq!(report.sessions, 1);
+    let gone = client.resume(code, None).unwrap_err();
+    assert_eq!(gone.code(), tonic::Code::FailedPrecondition, "{gone}");
+    assert!(gone.to_string().contains("wiped at its owner's request"), "{gone}");
+    // A session still attached through its own connection is not another connection's to end.
+    let refused = client.discard(attached).unwrap_err();
+    println!("{refused}");
+    assert_eq!(refused.code(), tonic::Code::NotFound, "{refused}");
+    assert_eq!(daemon.status().sessions, 2);
+
+    // What is left is still resumable: the newer chat session, with its 40 tokens.
+    let resumed = client.resume(newer, None).unwrap();
+    assert_eq!(resumed.tokens(0), 40);
+    assert!(client.orphans(None).unwrap().is_empty());
+    drop(resumed);
+    live.send("exit");
+    live.expect_line("detached");
+    let s = daemon.wait_drained();
+    assert_eq!((s.sessions, s.tiers[0].used_bytes), (0, 0), "{s:?}");
     assert!(daemon.stop().success());
 }

@@ -179,6 +179,34 @@ impl pb::session_server::Session for SessionService {
         Ok(Response::new(self.grant_to_pb(&g)))
     }
 
+    async fn list_orphans(
+        &self,
+        req: Request<pb::ListOrphansRequest>,
+    ) -> Result<Response<pb::ListOrphansResponse>, Status> {
+        let who = caller(&req)?;
+        let _span = tracing::info_span!("ListOrphans", uid = who.uid, pid = who.pid).entered();
+        let model_id = req.into_inner().model_id;
+        let orphans = self
+            .daemon
+            .orphans(who, &model_id)
+            .into_iter()
+            .map(|o| pb::Orphan {
+                session_id: o.session_id,
+                model_id: o.model_id,
+                geometry: Some(geometry_to_pb(&o.geometry)),
+                tokens: o.tokens,
+                allocated_blocks: o.allocated_blocks,
+                linger_ms: o.linger.as_millis() as u32,
+                orphaned_ms: o.orphaned.as_millis() as u64,
+                expires_in_ms: o.linger.saturating_sub(o.orphaned).as_millis() as u64,
+                bytes: o.bytes,
+                pid: o.pid,
+                process: o.process,
+            })
+            .collect();
+        Ok(Response::new(pb::ListOrphansResponse { orphans }))
+    }
+
     async fn extend(&self, req: Request<pb::ExtendRequest>) -> Result<Response<pb::ExtendResponse>, Status> {
         let who = caller(&req)?;
         let r = req.into_inner();

@@ -26,6 +26,8 @@ pub const WIPED_REMEMBERED: usize = 4096;
 pub enum WipedBy {
     /// An operator (admin `Wipe`).
     Operator,
+    /// A process of its uid (the session service's `Wipe`).
+    Owner,
     /// kvmmd: one of its pages stayed pinned past the pin lease (`revoke_stuck_pins`).
     PinLease,
     /// kvmmd: its connection closed and no process resumed it within its linger time.
@@ -36,6 +38,7 @@ pub enum WipedBy {
 fn gone(id: u64, by: WipedBy) -> Error {
     match by {
         WipedBy::Operator => Error::Wiped(id),
+        WipedBy::Owner => Error::WipedByOwner(id),
         WipedBy::PinLease => Error::Revoked(id),
         WipedBy::LingerExpired => Error::Expired(id),
     }
@@ -102,6 +105,25 @@ impl Registry {
             return Err(Error::OtherConnection(id));
         }
         Ok(s)
+    }
+
+    /// The session `id` if the caller may end it (`Detach`, its owner's `Wipe`): as [`Registry::get`],
+    /// and also an orphaned session of the caller's uid from any connection (a process that will not
+    /// resume what an earlier one left).
+    pub fn get_to_end(&self, id: u64, uid: u32, conn: ConnId) -> Result<&Session> {
+        let s = self.get_owned(id, uid)?;
+        if s.orphaned.is_none() && s.owner.conn != conn {
+            return Err(Error::OtherConnection(id));
+        }
+        Ok(s)
+    }
+
+    /// The orphaned sessions of `uid`, newest orphan first.
+    pub fn orphans_of_uid(&self, uid: u32) -> Vec<&Session> {
+        let mut out: Vec<&Session> =
+            self.sessions.values().filter(|s| s.owner.uid == uid && s.orphaned.is_some()).collect();
+        out.sort_by_key(|s| std::cmp::Reverse(s.orphaned));
+        out
     }
 
     /// Mutable access to session `id` under the rule of [`Registry::get`].

@@ -24,7 +24,8 @@
 //!   `--hot-blocks 9,30 [--hot-scale 8]` scales the keys of those blocks (every layer), so random
 //!   queries give them most of the attention mass; `formats` prints the format each page of each
 //!   layer is read in, after a checked attention.
-//!   `--linger-ms L` attaches a session that outlives this process's connection for L ms.
+//!   `--linger-ms L` attaches a session that outlives this process's connection for L ms;
+//!   `--model-id M` attaches it with that model id.
 //!   `--resume S --tokens N` takes over session S (whose process appended N tokens with the same
 //!   seed and `--no-attend`, then went away) instead of attaching: it rebuilds its own copy of that
 //!   K/V without appending, checks the token counts the session carried over, prints
@@ -34,7 +35,8 @@
 //! - `raw-attach [geometry] [--fetch]`: Attach over gRPC without the library; print the session id
 //!   and token (and, with --fetch, the received arena's inode), then wait for `exit`.
 //! - `fd-request --session S --token HEX`: present a token on the fd socket; print the reply.
-//! - `foreign --session S`: from another uid, try every session RPC on S and print the codes.
+//! - `foreign --session S`: from another uid, try every session RPC on S and print the codes, and
+//!   how many sessions `ListOrphans` shows this uid (`orphans=N`).
 //! - `crash-run [geometry] --tokens N`: like `run`, but survives kvmmd dying: reconnects, attaches
 //!   again, appends its K/V again and carries on (`tests/tests/crash_restart.rs`).
 //! - `attend-spin [geometry] --tokens N`: appends N tokens to every layer, takes each layer's output
@@ -487,7 +489,7 @@ fn run(a: &Args, forever: bool) {
         quota_tokens: a.get("quota-tokens", 0),
         evict: a.flag("evict"),
         linger: std::time::Duration::from_millis(a.get("linger-ms", 0)),
-        ..Default::default()
+        model_id: a.0.get("model-id").cloned().unwrap_or_default(),
     };
     let resume: Option<u64> = a.0.get("resume").map(|id| id.parse().expect("--resume takes a session id"));
     let started = std::time::Instant::now();
@@ -800,14 +802,17 @@ fn foreign(a: &Args) {
     let wipe = client.block_on(rpc.wipe(pb::WipeRequest { session_id })).map(|_| ());
     let detach = client.block_on(rpc.detach(pb::DetachRequest { session_id })).map(|_| ());
     let resume = client.block_on(rpc.resume(pb::ResumeRequest { session_id, geometry: None })).map(|_| ());
+    // What this uid is shown of sessions left to resume: only its own.
+    let orphans = client.orphans(None).unwrap_or_else(|e| die(e));
     println!(
-        "foreign extend={} stats={} fault={} wipe={} detach={} resume={}",
+        "foreign extend={} stats={} fault={} wipe={} detach={} resume={} orphans={}",
         code(extend),
         code(stats),
         code(fault),
         code(wipe),
         code(detach),
-        code(resume)
+        code(resume),
+        orphans.len()
     );
 }
 
