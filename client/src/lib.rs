@@ -156,9 +156,7 @@ impl Client {
     /// wiped and freed at once instead of at the end of its linger time. Returns the bytes wiped.
     /// (A session this client holds is ended with [`Session::detach`].)
     pub fn discard(&self, session_id: u64) -> Result<u64> {
-        let mut rpc = self.inner.rpc.clone();
-        let r = self.inner.runtime.block_on(rpc.detach(proto::DetachRequest { session_id }))?;
-        Ok(r.into_inner().bytes_wiped)
+        session::detach(&self.inner, session_id)
     }
 
     /// A raw handle on the session service, for callers that need RPCs the `Session` API does not

@@ -642,9 +642,7 @@ impl Session {
 
     fn detach_inner(&mut self) -> Result<u64> {
         self.detached = true;
-        let mut rpc = self.inner.rpc.clone();
-        let r = self.inner.runtime.block_on(rpc.detach(pb::DetachRequest { session_id: self.id }))?;
-        Ok(r.into_inner().bytes_wiped)
+        detach(&self.inner, self.id)
     }
 
     /// Asks for enough blocks that `blocks` exist per layer (at least one batch), and pre-faults the
@@ -834,6 +832,13 @@ pub fn geometry_to_pb(g: &Geometry) -> pb::Geometry {
         } as i32,
         max_tokens: g.max_tokens,
     }
+}
+
+/// The `Detach` RPC on session `session_id`: returns the bytes wiped.
+pub(crate) fn detach(inner: &Inner, session_id: u64) -> Result<u64> {
+    let mut rpc = inner.rpc.clone();
+    let r = inner.runtime.block_on(rpc.detach(pb::DetachRequest { session_id }))?;
+    Ok(r.into_inner().bytes_wiped)
 }
 
 /// A geometry from the wire, as the daemon accepted it.

@@ -1021,7 +1021,7 @@ impl Daemon {
                 allocated_blocks: s.pages.allocated_blocks(),
                 linger: s.linger,
                 orphaned: s.orphaned.map(|since| since.elapsed()).unwrap_or_default(),
-                bytes: [TierKind::Device, TierKind::Dram, TierKind::Flash].iter().map(|&t| s.pages.bytes_in(t)).sum(),
+                bytes: s.pages.all().map(|(_, _, p)| p.place.footprint()).sum(),
                 pid: s.owner.pid,
                 process: s.owner.name.clone(),
             })
