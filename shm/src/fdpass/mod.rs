@@ -10,12 +10,15 @@
 //! was issued to. Every received fd is close-on-exec (`MSG_CMSG_CLOEXEC`) and owned (`OwnedFd`), so
 //! nothing leaks: fds of a message that is rejected (truncated, wrong fd count) are closed before
 //! the error returns. At most [`MAX_FDS`] fds travel with one message.
+//!
+//! [`peer_pidfd`] serves the daemon's stream sockets too: the pidfd of the process that connected,
+//! so the daemon notices that process's exit while a child still holds the socket.
 
 pub mod frame;
 
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::Path;
 use std::time::Duration;
 
@@ -45,6 +48,66 @@ pub struct PeerCred {
     /// Group id.
     pub gid: u32,
 }
+
+/// The process at the other end of a Unix socket connection, as a pidfd ([`peer_pidfd`]).
+#[derive(Debug)]
+pub enum PeerProcess {
+    /// A pidfd of the process that made the connection: it polls readable once that process has
+    /// exited (all its threads, reaped or not), whoever else still holds the socket.
+    Pidfd(OwnedFd),
+    /// That process has exited already.
+    Exited,
+    /// The kernel cannot say (`SO_PEERPIDFD` needs Linux 6.5; the errno is kept for the log).
+    Unknown(rustix::io::Errno),
+}
+
+/// The process that connected a Unix socket (`SO_PEERPIDFD`): the same process `SO_PEERCRED`
+/// names, but as a pidfd, which stays bound to that process and is never confused with a later
+/// one that reuses its pid. Works for stream and `SOCK_SEQPACKET` sockets alike. The pidfd is
+/// close-on-exec.
+pub fn peer_pidfd(socket: BorrowedFd<'_>) -> Result<PeerProcess, ShmError> {
+    let mut pidfd: libc::c_int = -1;
+    let mut len = size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `pidfd` and `len` are valid for writes, `len` is the size of `pidfd`, and the kernel
+    // writes at most `len` bytes (one int, a new fd it installed close-on-exec in our table) there;
+    // `socket` is a live fd borrowed for the call.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&raw mut pidfd).cast::<libc::c_void>(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        let errno = rustix::io::Errno::from_io_error(&std::io::Error::last_os_error()).unwrap_or(rustix::io::Errno::IO);
+        return match errno {
+            // Kernels that reap the peer before the call answer so; newer ones hand out a pidfd
+            // that is readable at once.
+            rustix::io::Errno::SRCH => Ok(PeerProcess::Exited),
+            // Before Linux 6.5 (ENOPROTOOPT); a socket without a peer process (EINVAL, ENODATA).
+            rustix::io::Errno::NOPROTOOPT | rustix::io::Errno::INVAL | rustix::io::Errno::NODATA => {
+                Ok(PeerProcess::Unknown(errno))
+            }
+            e => Err(ShmError::os("getsockopt(SO_PEERPIDFD)", "a Unix socket", e)),
+        };
+    }
+    if pidfd < 0 {
+        return Err(ShmError::malformed("SO_PEERPIDFD", format!("the kernel returned fd {pidfd}")));
+    }
+    // SAFETY: the kernel just installed `pidfd` in this process's fd table for us; nothing else
+    // owns it, so the `OwnedFd` becomes its only owner and closes it once.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
+    if len as usize != size_of::<libc::c_int>() {
+        return Err(ShmError::malformed("SO_PEERPIDFD", format!("the kernel returned {len} bytes, not an int")));
+    }
+    Ok(PeerProcess::Pidfd(pidfd))
+}
+
+/// `SO_PEERPIDFD` (Linux 6.5) as `asm-generic/socket.h` numbers it, which x86-64 and aarch64 use
+/// (sparc and mips number it otherwise); the libc crate does not export it for every target yet.
+const SO_PEERPIDFD: libc::c_int = 77;
 
 /// A listening `SOCK_SEQPACKET` Unix socket.
 #[derive(Debug)]

@@ -206,3 +206,65 @@ fn a_stream_socket_is_not_accepted_as_the_fd_socket() -> Result<(), ShmError> {
     assert!(err.as_ref().is_some_and(|e| e.to_string().contains("not SOCK_SEQPACKET")), "{err:?}");
     Ok(())
 }
+
+/// Whether `fd` polls readable right now.
+fn readable(fd: BorrowedFd<'_>) -> bool {
+    let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
+    rustix::event::poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 })).expect("poll works") == 1
+}
+
+/// The pid a pidfd refers to, from `/proc/self/fdinfo`.
+fn pidfd_pid(fd: &OwnedFd) -> i32 {
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).expect("fdinfo is readable");
+    let line = info.lines().find_map(|l| l.strip_prefix("Pid:")).expect("a pidfd's fdinfo has a Pid: line");
+    line.trim().parse().expect("Pid: holds a number")
+}
+
+#[test]
+fn the_peer_pidfd_names_the_connecting_process_and_polls_readable_once_it_exits() -> Result<(), ShmError> {
+    // This process on both ends: a pidfd of ourselves, not readable while we run.
+    let (a, _b) = SeqpacketConn::pair()?;
+    match peer_pidfd(a.as_fd())? {
+        PeerProcess::Pidfd(fd) => {
+            assert_eq!(pidfd_pid(&fd), std::process::id() as i32);
+            assert!(!readable(fd.as_fd()), "a live process's pidfd is not readable");
+        }
+        PeerProcess::Unknown(errno) => {
+            eprintln!("SKIPPED: this kernel has no SO_PEERPIDFD ({errno})");
+            return Ok(());
+        }
+        PeerProcess::Exited => panic!("this process has not exited"),
+    }
+
+    // A child connects and exits at once; we reap it and then accept its connection.
+    let dir = TempDir::new();
+    let path = dir.0.join("kvmm-fd.sock");
+    let listener = SeqpacketListener::bind(&path)?;
+    let addr = unix_addr(&path)?;
+    let socket = seqpacket_socket()?;
+    // SAFETY: the child runs only `connect` (a system call through rustix, no allocation or lock;
+    // the address was built before the fork) and `_exit`, both async-signal-safe.
+    let child = unsafe { libc::fork() };
+    if child == 0 {
+        let rc = i32::from(rustix::net::connect(&socket, &addr).is_err());
+        // SAFETY: `_exit` ends the child without running the parent's atexit handlers or destructors.
+        unsafe { libc::_exit(rc) };
+    }
+    assert!(child > 0, "fork failed: {}", std::io::Error::last_os_error());
+    let mut status = 0;
+    // SAFETY: `status` is valid for writes; `child` is our own child.
+    assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child connected");
+    drop(socket);
+    let conn = listener.accept()?;
+    assert_eq!(conn.peer_cred()?.pid, child);
+    match peer_pidfd(conn.as_fd())? {
+        PeerProcess::Pidfd(fd) => {
+            assert_eq!(pidfd_pid(&fd), -1, "an exited process's pidfd has no pid any more");
+            assert!(readable(fd.as_fd()), "an exited process's pidfd is readable");
+        }
+        PeerProcess::Exited => {}
+        PeerProcess::Unknown(errno) => panic!("SO_PEERPIDFD worked on a socketpair but not here: {errno}"),
+    }
+    Ok(())
+}

@@ -26,6 +26,8 @@
 //!   layer is read in, after a checked attention.
 //!   `--linger-ms L` attaches a session that outlives this process's connection for L ms;
 //!   `--model-id M` attaches it with that model id.
+//!   `share-sockets` lets a child (`sleep`) inherit this process's sockets, its connection to kvmmd
+//!   included, and prints `shared holder=PID sockets=N`.
 //!   `--resume S --tokens N` takes over session S (whose process appended N tokens with the same
 //!   seed and `--no-attend`, then went away) instead of attaching: it rebuilds its own copy of that
 //!   K/V without appending, checks the token counts the session carried over, prints
@@ -605,12 +607,40 @@ fn run(a: &Args, forever: bool) {
                 let [device, dram, flash] = c.session.wipe().unwrap_or_else(|e| die(e));
                 println!("wiped device={device} dram={dram} flash={flash}");
             }
+            (Some("share-sockets"), _) => share_sockets(),
             (Some("exit"), _) => break,
             _ => println!("unknown command {line}"),
         }
     }
     let wiped = c.session.detach().unwrap_or_else(|e| die(e));
     println!("detached bytes={wiped}");
+}
+
+/// Lets a child inherit every socket of this process, its connection to kvmmd included (as a fork
+/// without exec would), and starts one that holds them (`sleep`, stdio closed): prints
+/// `shared holder=PID sockets=N`.
+#[allow(clippy::zombie_processes, reason = "the holder outlives this process by design; the test kills it")]
+fn share_sockets() {
+    let mut sockets = 0;
+    for entry in std::fs::read_dir("/proc/self/fd").unwrap() {
+        let entry = entry.unwrap();
+        let is_socket = std::fs::read_link(entry.path()).is_ok_and(|t| t.to_string_lossy().starts_with("socket:"));
+        let Some(fd) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        if is_socket {
+            // SAFETY: `fd` is open in this process (listed in /proc/self/fd just now, and nothing
+            // here closes fds meanwhile); F_SETFD only clears its close-on-exec flag.
+            assert_eq!(unsafe { libc::fcntl(fd, libc::F_SETFD, 0) }, 0, "fcntl(F_SETFD) on fd {fd}");
+            sockets += 1;
+        }
+    }
+    let holder = std::process::Command::new("sleep")
+        .arg("600")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    println!("shared holder={} sockets={sockets}", holder.id());
 }
 
 fn to_hex(b: &[u8]) -> String {
