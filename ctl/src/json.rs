@@ -173,6 +173,27 @@ pub fn wipe(w: &pb::WipeResponse) -> Value {
     })
 }
 
+/// `Compress`.
+pub fn compress(c: &pb::CompressResponse) -> Value {
+    json!({
+        "compressed": c.compressed,
+        "skipped_pinned": c.skipped_pinned,
+        "skipped_not_full": c.skipped_not_full,
+        "skipped_already": c.skipped_already,
+        "skipped_invalid": c.skipped_invalid,
+        "skipped_floor": c.skipped_floor,
+        "skipped_window": c.skipped_window,
+        "bytes_before": c.bytes_before,
+        "bytes_after": c.bytes_after,
+        "compressed_to": c.compressed_to.iter().map(|f| json!({ "format": f.format, "pages": f.pages, "bytes": f.bytes })).collect::<Vec<_>>(),
+    })
+}
+
+/// `Demote`.
+pub fn demote(d: &pb::DemoteResponse) -> Value {
+    json!({ "demoted": d.demoted, "skipped": d.skipped })
+}
+
 /// `Drain`.
 pub fn drain(d: &pb::DrainResponse) -> Value {
     json!({ "draining": d.draining, "demoted_pages": d.demoted_pages, "left_on_device": d.left_on_device })

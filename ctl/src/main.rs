@@ -64,6 +64,11 @@ enum Command {
     },
     /// Destroy sessions' data for certain (frames zeroed, flash slots punched out, keys destroyed).
     Wipe(WipeArgs),
+    /// Re-encode a session's full pages in place in a smaller format while its client keeps running
+    /// (lossy and one-way; each layer's [[policy.floor]] holds).
+    Compress(CompressArgs),
+    /// Move a session's full pages off the device, to DRAM or flash, now.
+    Demote(DemoteArgs),
     /// Stop admitting new sessions and pages and demote every full page off the device.
     Drain {
         /// End a drain: admit again.
@@ -119,6 +124,101 @@ struct WipeTarget {
     /// Wipe every session.
     #[arg(long)]
     all: bool,
+}
+
+#[derive(Args, Debug)]
+struct CompressArgs {
+    /// The session (from `kvmmctl sessions`).
+    id: u64,
+    /// The format to re-encode into.
+    #[arg(long, value_enum)]
+    format: CompressFormat,
+    /// Give each page the format a demotion under adaptive precision would (around FORMAT at its
+    /// bytes, ranked by age or attention mass as [policy] adaptive_ranking says); the sink page and
+    /// the recent window keep theirs.
+    #[arg(long)]
+    adaptive: bool,
+    #[command(flatten)]
+    range: PageRange,
+}
+
+#[derive(Args, Debug)]
+struct DemoteArgs {
+    /// The session (from `kvmmctl sessions`).
+    id: u64,
+    /// The tier to move the pages to.
+    #[arg(long, value_enum)]
+    tier: DemoteTier,
+    #[command(flatten)]
+    range: PageRange,
+}
+
+/// Which pages of a session: every layer and every allocated block unless narrowed.
+#[derive(Args, Debug)]
+struct PageRange {
+    /// Layers: N, or A..B (B excluded), or A.. (to the last).
+    #[arg(long, value_name = "RANGE", value_parser = parse_range)]
+    layers: Option<Span>,
+    /// Blocks (pages of a layer): N, or A..B (B excluded), or A.. (to the last allocated).
+    #[arg(long, value_name = "RANGE", value_parser = parse_range)]
+    blocks: Option<Span>,
+}
+
+/// A range as the admin API takes it: a first index and a count (0: to the end).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Span {
+    first: u32,
+    count: u32,
+}
+
+/// `N`, `A..B` (B excluded, more than A) or `A..`.
+fn parse_range(text: &str) -> Result<Span, String> {
+    let number = |t: &str| t.trim().parse::<u32>().map_err(|_| format!("{t:?} is not a whole number"));
+    match text.split_once("..") {
+        None => Ok(Span { first: number(text)?, count: 1 }),
+        Some((a, "")) => Ok(Span { first: number(a)?, count: 0 }),
+        Some((a, b)) => {
+            let (first, end) = (number(a)?, number(b)?);
+            if end <= first {
+                return Err(format!("{text} is empty: the end of A..B is excluded, so B must exceed A"));
+            }
+            Ok(Span { first, count: end - first })
+        }
+    }
+}
+
+impl PageRange {
+    /// (first layer, layers, first block, blocks) for the request.
+    fn fields(&self) -> (u32, u32, u32, u32) {
+        let all = Span { first: 0, count: 0 };
+        let (l, b) = (self.layers.unwrap_or(all), self.blocks.unwrap_or(all));
+        (l.first, l.count, b.first, b.count)
+    }
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum CompressFormat {
+    Q8,
+    K8v4,
+    Q4,
+    Q2,
+}
+
+impl CompressFormat {
+    fn to_pb(self) -> pb::PageFormat {
+        match self {
+            CompressFormat::Q8 => pb::PageFormat::Q8,
+            CompressFormat::K8v4 => pb::PageFormat::K8v4,
+            CompressFormat::Q4 => pb::PageFormat::Q4,
+            CompressFormat::Q2 => pb::PageFormat::Q2,
+        }
+    }
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum DemoteTier {
+    Dram,
+    Flash,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -178,6 +278,31 @@ fn run(cli: Cli) -> Result<(), Failure> {
         }
         Command::Policy { action } => policy(&runtime, &mut admin, action, json),
         Command::Wipe(args) => wipe(&runtime, &mut admin, args, json),
+        Command::Compress(args) => {
+            let (first_layer, layers, first_block, blocks) = args.range.fields();
+            let request = pb::CompressRequest {
+                session_id: args.id,
+                first_layer,
+                layers,
+                first_block,
+                blocks,
+                format: args.format.to_pb() as i32,
+                adaptive: args.adaptive,
+            };
+            let c = runtime.block_on(admin.compress(request)).map_err(Failure::rpc("Compress"))?.into_inner();
+            print(json, json::compress(&c), || render::compress(args.id, &c))
+        }
+        Command::Demote(args) => {
+            let (first_layer, layers, first_block, blocks) = args.range.fields();
+            let tier = match args.tier {
+                DemoteTier::Dram => pb::Tier::Dram,
+                DemoteTier::Flash => pb::Tier::Flash,
+            };
+            let request =
+                pb::DemoteRequest { session_id: args.id, first_layer, layers, first_block, blocks, tier: tier as i32 };
+            let d = runtime.block_on(admin.demote(request)).map_err(Failure::rpc("Demote"))?.into_inner();
+            print(json, json::demote(&d), || render::demote(args.id, args.tier, &d))
+        }
         Command::Drain { resume } => {
             let d =
                 runtime.block_on(admin.drain(pb::DrainRequest { resume })).map_err(Failure::rpc("Drain"))?.into_inner();
@@ -328,6 +453,23 @@ mod tests {
     #[test]
     fn the_command_line_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn page_ranges_read_as_first_and_count() {
+        assert_eq!(parse_range("3"), Ok(Span { first: 3, count: 1 }));
+        assert_eq!(parse_range("2..6"), Ok(Span { first: 2, count: 4 }));
+        assert_eq!(parse_range("5.."), Ok(Span { first: 5, count: 0 }));
+        assert!(parse_range("6..6").is_err_and(|e| e.contains("B must exceed A")));
+        assert!(parse_range("x..2").is_err_and(|e| e.contains("not a whole number")));
+        assert!(parse_range("-1").is_err());
+        let cli = Cli::try_parse_from(["kvmmctl", "compress", "7", "--format", "k8v4", "--layers", "1..3"]).unwrap();
+        let Command::Compress(args) = cli.command else { panic!("{:?}", cli.command) };
+        assert_eq!((args.id, args.range.fields()), (7, (1, 2, 0, 0)));
+        assert!(Cli::try_parse_from(["kvmmctl", "compress", "7"]).is_err(), "a format is required");
+        assert!(Cli::try_parse_from(["kvmmctl", "compress", "7", "--format", "f16"]).is_err(), "not a smaller format");
+        assert!(Cli::try_parse_from(["kvmmctl", "demote", "7", "--tier", "flash", "--blocks", "4.."]).is_ok());
+        assert!(Cli::try_parse_from(["kvmmctl", "demote", "7", "--tier", "device"]).is_err());
     }
 
     #[test]

@@ -362,6 +362,41 @@ pub fn wipe(w: &pb::WipeResponse) -> String {
     format!("wiped {} session(s)\n{}", w.sessions, t.render())
 }
 
+/// `Compress` of session `id`.
+pub fn compress(id: u64, c: &pb::CompressResponse) -> String {
+    let mut out = format!(
+        "session {id}: {} page(s) re-encoded, {} -> {}\n",
+        c.compressed,
+        bytes(c.bytes_before),
+        bytes(c.bytes_after)
+    );
+    for f in &c.compressed_to {
+        out += &format!("  {} as {} ({})\n", f.pages, f.format, bytes(f.bytes));
+    }
+    let skipped = [
+        (c.skipped_pinned, "pinned by the client (try again)"),
+        (c.skipped_not_full, "not full (the client is still writing them)"),
+        (c.skipped_already, "already at or below the format"),
+        (c.skipped_floor, "held by their layer's floor"),
+        (c.skipped_window, "the sink page or the recent window, kept as they are"),
+        (c.skipped_invalid, "values the format cannot encode"),
+    ];
+    for (pages, why) in skipped.iter().filter(|(pages, _)| *pages > 0) {
+        out += &format!("  {pages} skipped: {why}\n");
+    }
+    out
+}
+
+/// `Demote` of session `id` to `tier`.
+pub fn demote(id: u64, tier: impl std::fmt::Debug, d: &pb::DemoteResponse) -> String {
+    let tier = format!("{tier:?}").to_lowercase();
+    let mut out = format!("session {id}: {} page(s) now in {tier}\n", d.demoted);
+    if d.skipped > 0 {
+        out += &format!("  {} left where they were (pinned, not full, or {tier} is full)\n", d.skipped);
+    }
+    out
+}
+
 /// `Drain`.
 pub fn drain(d: &pb::DrainResponse) -> String {
     if d.draining {

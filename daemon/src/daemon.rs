@@ -1191,27 +1191,29 @@ impl Daemon {
         Ok((end(layers, s.geometry.layers), end(blocks, s.pages.allocated_blocks())))
     }
 
-    /// Recompresses a range of a session's pages in place (admin; the policy engine's primitive).
+    /// Recompresses a range of a session's pages in place (admin; the policy engine's primitive):
+    /// every page to `to`, or with `adaptive` each to the allocation around `to` that a demotion
+    /// under adaptive precision would give it (the `[policy]` ranking), within the layers' floors.
     pub fn compress(
         &self,
         session_id: u64,
         layers: std::ops::Range<u32>,
         blocks: std::ops::Range<u32>,
         to: kvmm_kernels::Format,
+        adaptive: bool,
     ) -> Result<crate::migrate::recompress::RecompressReport> {
         self.admit()?;
         let mut scratch = Scratch::default();
-        let floors = self.demotion().floors;
+        let how = Demotion { format: Some(to), adaptive, ..self.demotion() };
         let report = crate::migrate::recompress::recompress(
             &mut self.core.lock(),
             session_id,
             layers,
             blocks,
-            to,
-            &floors,
+            &how,
             &mut scratch,
         )?;
-        tracing::info!(session = session_id, format = to.name(), ?report, "recompressed");
+        tracing::info!(session = session_id, format = to.name(), adaptive, ?report, "recompressed");
         Ok(report)
     }
 

@@ -237,12 +237,18 @@ impl Recompression {
             first_block: blocks.start,
             blocks: blocks.end - blocks.start,
             format: self.format as i32,
+            adaptive: false,
         })?;
         self.next_block = blocks.end;
         let t = &mut self.totals;
         t.calls += 1;
         t.compressed += r.compressed;
-        t.skipped += r.skipped_pinned + r.skipped_not_full + r.skipped_already + r.skipped_invalid + r.skipped_floor;
+        t.skipped += r.skipped_pinned
+            + r.skipped_not_full
+            + r.skipped_already
+            + r.skipped_invalid
+            + r.skipped_floor
+            + r.skipped_window;
         t.bytes_before += r.bytes_before;
         t.bytes_after += r.bytes_after;
         Ok(r.compressed)

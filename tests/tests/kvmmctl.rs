@@ -310,12 +310,94 @@ fn a_user_outside_the_admin_group_is_refused_with_exit_3() {
     assert!(daemon.stop().success());
 }
 
+/// Pages of `tier` in `format` that the admin API reports for session `id`.
+fn pages_in(daemon: &Daemon, id: u64, tier: &str, format: &str) -> u64 {
+    let s = list_sessions(daemon).into_iter().find(|s| s.session_id == id).unwrap();
+    let t = s.tiers.iter().find(|t| t.tier == tier);
+    t.and_then(|t| t.by_format.iter().find(|f| f.format == format)).map_or(0, |f| f.pages)
+}
+
+/// `compress` and `demote` re-encode and move a running client's pages: the counts match what the
+/// admin API then reports, the client's attention stays within each format's bound (it checks
+/// every output against its own K/V passed through the same quantizer) and faults demoted pages
+/// back, and bad requests get the daemon's sentence with the exit code of their gRPC code.
+#[test]
+fn compress_and_demote_re_encode_and_move_a_running_clients_pages() {
+    let (daemon, _flash) = daemon_with_tiers(&[]);
+    // 200 tokens a layer: 6 full pages, a tail of 8 and an empty page (Extend hands out 4 at a time)
+    // in each of 2 layers.
+    let mut c = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "200", "--seed", "9"]);
+    let id = fields(&c.expect_line("appended"))["session"].clone();
+    let session: u64 = id.parse().unwrap();
+
+    let r = ctl(&daemon, &["--json", "compress", &id, "--format", "q8", "--layers", "0"]).json();
+    assert_eq!((r["compressed"].as_u64(), r["skipped_not_full"].as_u64()), (Some(6), Some(2)), "{r}");
+    assert!(r["bytes_after"].as_u64().unwrap() * 3 / 2 < r["bytes_before"].as_u64().unwrap(), "{r}");
+    let human = ctl(&daemon, &["compress", &id, "--format", "k8v4", "--layers", "1", "--blocks", "1..4"]);
+    assert_eq!(human.code, 0, "{human:?}");
+    assert!(human.stdout.starts_with(&format!("session {id}: 3 page(s) re-encoded, ")), "{}", human.stdout);
+    let again = ctl(&daemon, &["compress", &id, "--format", "q8", "--layers", "0"]);
+    assert!(again.stdout.contains("6 skipped: already at or below the format"), "{}", again.stdout);
+    assert!(again.stdout.contains("2 skipped: not full (the client is still writing them)"), "{}", again.stdout);
+    assert_eq!((pages_in(&daemon, session, "device", "q8"), pages_in(&daemon, session, "device", "k8v4")), (6, 3));
+    c.send("check 2");
+    c.expect_line("checked");
+
+    // Blocks 3.. of both layers to DRAM (3 q8 pages and 3 f16 ones, which take the mode's format;
+    // the tail and the empty page stay), then layer 1's to flash.
+    let r = ctl(&daemon, &["--json", "demote", &id, "--tier", "dram", "--blocks", "3.."]).json();
+    assert_eq!((r["demoted"].as_u64(), r["skipped"].as_u64()), (Some(6), Some(4)), "{r}");
+    let human = ctl(&daemon, &["demote", &id, "--tier", "flash", "--layers", "1", "--blocks", "3..6"]);
+    assert_eq!(human.code, 0, "{human:?}");
+    assert_eq!(human.stdout, format!("session {id}: 3 page(s) now in flash\n"));
+    let info = list_sessions(&daemon).into_iter().find(|s| s.session_id == session).unwrap();
+    assert_eq!((tier_bytes(&info, "dram") > 0, tier_bytes(&info, "flash") > 0), (true, true), "{info:?}");
+    c.send("check 2");
+    println!("after compress and demote: {}", c.expect_line("checked"));
+
+    // Bad requests: the daemon's sentence, the exit code of its gRPC code.
+    let missing = ctl(&daemon, &["compress", "999999", "--format", "q4"]);
+    assert_eq!(missing.code, 4, "{missing:?}");
+    let out_of_range = ctl(&daemon, &["compress", &id, "--format", "q4", "--layers", "2..4"]);
+    assert_eq!(out_of_range.code, 5, "{out_of_range:?}");
+    assert!(out_of_range.stderr.contains("INVALID_ARGUMENT") && out_of_range.stderr.contains("layers 0..2"));
+    for args in [&["compress", &id][..], &["compress", &id, "--format", "f16"], &["demote", &id, "--tier", "device"]] {
+        assert_eq!(ctl(&daemon, args).code, 2, "{args:?}");
+    }
+    let plain = Daemon::start(&["--device-budget", "64MiB", "--dram-budget", "0"]);
+    let mut p = spawn_client("run", &plain, &["--tokens", "40", "--seed", "2"]);
+    let pid = fields(&p.expect_line("appended"))["session"].clone();
+    let no_tier = ctl(&plain, &["demote", &pid, "--tier", "flash"]);
+    assert_eq!(no_tier.code, 5, "{no_tier:?}");
+    assert!(no_tier.stderr.contains("without a flash tier; configure tiers.flash_budget"), "{}", no_tier.stderr);
+    p.send("exit");
+    p.expect_line("detached");
+    assert!(plain.stop().success());
+
+    c.send("exit");
+    c.expect_line("detached");
+    assert!(daemon.stop().success());
+}
+
 #[test]
 fn completions_name_every_subcommand() {
     for shell in ["bash", "zsh", "fish"] {
         let r = run(&["completions", shell], None);
         assert_eq!(r.code, 0, "{shell}: {}", r.stderr);
-        for sub in ["status", "sessions", "session", "policy", "wipe", "drain", "metrics", "top", "completions"] {
+        let subcommands = [
+            "status",
+            "sessions",
+            "session",
+            "policy",
+            "wipe",
+            "compress",
+            "demote",
+            "drain",
+            "metrics",
+            "top",
+            "completions",
+        ];
+        for sub in subcommands {
             assert!(r.stdout.contains(sub), "{shell} completions lack {sub}");
         }
     }

@@ -311,3 +311,55 @@ fn an_admin_compress_goes_no_lower_than_each_layers_floor() {
     finish(c);
     assert!(daemon.stop().success());
 }
+
+/// An administrator's adaptive `Compress` gives each page, in place on the device, the format a
+/// demotion by age would at the format asked for: per layer the sink page and the last page (the
+/// 32-token window) keep f16 (`skipped_window`), blocks 27..=43 take k8v4 and 1..=26 q4, within
+/// the bytes of uniform q4 over the usual 128-token window. A plain `Compress` to q4 afterwards
+/// takes the k8v4 pages and the kept ones down to q4.
+#[test]
+fn an_adaptive_admin_compress_gives_each_page_the_format_a_demotion_would() {
+    let daemon = Daemon::start(&["--device-budget", "64MiB"]);
+    assert_eq!(daemon.status().policy.unwrap().adaptive_ranking, "age");
+    let mut c = spawn_client("run", &daemon, &["--layers", "2", "--tokens", "1440", "--no-attend", "--seed", "15"]);
+    let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
+    let compress = |adaptive: bool| {
+        let request = pb::CompressRequest {
+            session_id: session,
+            format: pb::PageFormat::Q4 as i32,
+            adaptive,
+            ..Default::default()
+        };
+        daemon.admin(async |mut a| a.compress(request).await.unwrap().into_inner())
+    };
+    let by_format = |r: &pb::CompressResponse| -> BTreeMap<String, u64> {
+        r.compressed_to.iter().map(|f| (f.format.clone(), f.pages)).collect()
+    };
+    let want = |list: &[(&str, u64)]| list.iter().map(|&(f, n)| (f.to_owned(), n)).collect::<BTreeMap<_, _>>();
+
+    let r = compress(true);
+    assert_eq!((r.compressed, r.skipped_window, r.skipped_already), (86, 4, 0), "{r:?}");
+    assert_eq!(by_format(&r), want(&[("k8v4", 34), ("q4", 52)]), "{r:?}");
+    let census = want(&[("f16", 4), ("k8v4", 34), ("q4", 52)]);
+    let uniform = want(&[("f16", 10), ("q4", 80)]);
+    println!("adaptive compress: {} bytes, uniform q4 {}", page_bytes(&census), page_bytes(&uniform));
+    assert!(page_bytes(&census) <= page_bytes(&uniform));
+    assert_eq!(r.bytes_after, page_bytes(&want(&[("k8v4", 34), ("q4", 52)])), "frames shrink to the pages' bytes");
+    for pages in read_formats(&mut c, 2) {
+        assert_eq!(count(&pages, [0, 44]), counts(&[("f16", 2)]), "{pages:?}");
+        assert_eq!(count(&pages, 1..=26), counts(&[("q4", 26)]), "{pages:?}");
+        assert_eq!(count(&pages, 27..=43), counts(&[("k8v4", 17)]), "{pages:?}");
+    }
+
+    let plain = compress(false);
+    assert_eq!((plain.compressed, plain.skipped_already, plain.skipped_window), (38, 52, 0), "{plain:?}");
+    assert_eq!(by_format(&plain), want(&[("q4", 38)]), "{plain:?}");
+    for pages in read_formats(&mut c, 2) {
+        assert_eq!(count(&pages, 0..=44), counts(&[("q4", 45)]), "{pages:?}");
+    }
+    c.send("check 2");
+    let checked = fields(&c.expect_line("checked"));
+    assert!(checked["worst_rel_err"].parse::<f64>().unwrap() <= 1e-3, "{checked:?}");
+    finish(c);
+    assert!(daemon.stop().success());
+}

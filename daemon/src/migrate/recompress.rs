@@ -7,6 +7,12 @@
 //! full budget can still be relieved by compression. Lossy formats are one-way (f16 → q8 → q4 → q2);
 //! a page already at or below the target is left alone, and the tail page a client is still writing
 //! (fewer than `block_tokens` tokens published) stays in its element type.
+//!
+//! The target is the request's format for every page, or under adaptive precision each page's own:
+//! the allocation a demotion at that format would give it ([`LayerPlan`]: the sink page and the
+//! recent window keep their format, the other full pages are ranked by age or attention mass and
+//! spread over the formats around the requested one at its uniform bytes). Each layer's floor
+//! holds either way.
 
 use std::ops::Range;
 
@@ -17,11 +23,11 @@ use parking_lot::MutexGuard;
 use crate::daemon::Core;
 use crate::error::{Error, Result};
 use crate::migrate::LockPacer;
-use crate::migrate::tiering::Scratch;
-use crate::policy::precision::{self, Floors};
+use crate::migrate::tiering::{LayerPlan, Scratch};
+use crate::policy::precision::{self, Demotion};
 
 /// What one recompression request did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RecompressReport {
     /// Pages re-encoded.
     pub compressed: u32,
@@ -39,6 +45,12 @@ pub struct RecompressReport {
     pub skipped_not_resident: u32,
     /// Pages skipped because their bytes could not be encoded (e.g. NaN written by the client).
     pub skipped_invalid: u32,
+    /// Under adaptive precision: pages left as they were because they are the sink page or in the
+    /// recent window.
+    pub skipped_window: u32,
+    /// The compressed pages by their new format: (format, pages, frame bytes after), in the order
+    /// the formats first came up.
+    pub compressed_to: Vec<(Format, u32, u64)>,
     /// Frame bytes of the compressed pages before.
     pub bytes_before: u64,
     /// Frame bytes of the compressed pages after.
@@ -50,8 +62,10 @@ fn rank(format: Format) -> u32 {
     format.k_bits() + format.v_bits()
 }
 
-/// Re-encodes the full pages of `layers × blocks` of a session as `to`, or as the layer's floor in
-/// `floors` where that is more precise (a 16-bit floor keeps every page of its layer as it is).
+/// Re-encodes the full pages of `layers × blocks` of a session as `how.format`, or as the layer's
+/// floor in `how.floors` where that is more precise (a 16-bit floor keeps every page of its layer as
+/// it is). With `how.adaptive`, each page takes its layer's allocation around that format instead
+/// (module doc), and the ranking is `how.ranking`.
 ///
 /// The core lock is handed to waiting requests between pages ([`LockPacer`]): a page's migration
 /// begins and ends under the lock, so other clients wait for about 100 µs and one page, not for the
@@ -61,16 +75,18 @@ pub fn recompress(
     session_id: u64,
     layers: Range<u32>,
     blocks: Range<u32>,
-    to: Format,
-    floors: &Floors,
+    how: &Demotion,
     scratch: &mut Scratch,
 ) -> Result<RecompressReport> {
-    if matches!(to, Format::F16 | Format::Bf16) {
-        return Err(Error::InvalidArgument(format!(
-            "{} is not a compressed format; recompress to q8, q4 or q2",
-            to.name()
-        )));
-    }
+    let to = match how.format {
+        Some(to) if to.is_quantized() => to,
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "{} is not a compressed format; recompress to q8, k8v4, q4 or q2",
+                other.map_or("lossless", Format::name)
+            )));
+        }
+    };
     let s = core.sessions.get_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
     let g = s.geometry;
     if layers.is_empty() || layers.end > g.layers {
@@ -89,9 +105,16 @@ pub fn recompress(
     let mut report = RecompressReport::default();
     let mut pacer = LockPacer::start();
     for layer in layers {
-        let floor = floors.of(layer, g.layers);
+        let floor = how.floors.of(layer, g.layers);
+        let plan = match how.ranks_pages() {
+            true => {
+                let s = core.sessions.get_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
+                Some(LayerPlan::of(s, layer, how))
+            }
+            false => None,
+        };
         for block in blocks.clone() {
-            let page = PageAt { session_id, layer, block, to, floor };
+            let page = PageAt { session_id, layer, block, to, floor, plan: plan.as_ref(), by_age: how.by_age() };
             recompress_page(core, page, scratch, &mut report)?;
             pacer.between_pages(core);
         }
@@ -101,7 +124,7 @@ pub fn recompress(
 
 /// One page of a [`recompress`] request.
 #[derive(Clone, Copy)]
-struct PageAt {
+struct PageAt<'a> {
     session_id: u64,
     layer: u32,
     block: u32,
@@ -109,12 +132,16 @@ struct PageAt {
     to: Format,
     /// The layer's floor.
     floor: Option<Format>,
+    /// Under adaptive precision, the layer's allocation.
+    plan: Option<&'a LayerPlan>,
+    /// Adaptive precision ranks by age: a quantized page steps down to its allocation.
+    by_age: bool,
 }
 
 /// Re-encodes one page if it is full, resident, unpinned and above the target, and counts what
 /// happened in `report`.
 fn recompress_page(core: &mut Core, at: PageAt, scratch: &mut Scratch, report: &mut RecompressReport) -> Result<()> {
-    let PageAt { session_id, layer, block, to, floor } = at;
+    let PageAt { session_id, layer, block, to, floor, plan, by_age } = at;
     let Core { pool, sessions, .. } = core;
     let s = sessions.get_mut_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
     let g = s.geometry;
@@ -125,11 +152,27 @@ fn recompress_page(core: &mut Core, at: PageAt, scratch: &mut Scratch, report: &
         report.skipped_not_resident += 1;
         return Ok(());
     };
+    let tokens = s.region.entry(layer, block)?.tokens_clamped(g.block_tokens);
+    let to = match plan {
+        None => to,
+        Some(_) if tokens < g.block_tokens => {
+            report.skipped_not_full += 1;
+            return Ok(());
+        }
+        Some(plan) if !plan.candidate(block, tokens, g.block_tokens) => {
+            report.skipped_window += 1;
+            return Ok(());
+        }
+        // The allocation without the floor, which is applied below for both kinds of request.
+        Some(plan) => {
+            let allocated = plan.allocated.get(&block).copied();
+            precision::target_format(page.format, true, allocated, Some(to), None, by_age)
+        }
+    };
     if rank(page.format) <= rank(to) {
         report.skipped_already += 1;
         return Ok(());
     }
-    let tokens = s.region.entry(layer, block)?.tokens_clamped(g.block_tokens);
     if tokens < g.block_tokens {
         report.skipped_not_full += 1;
         return Ok(());
@@ -183,5 +226,12 @@ fn recompress_page(core: &mut Core, at: PageAt, scratch: &mut Scratch, report: &
     report.compressed += 1;
     report.bytes_before += frame.footprint();
     report.bytes_after += shrunk.footprint();
+    match report.compressed_to.iter_mut().find(|(f, ..)| *f == to) {
+        Some((_, pages, bytes)) => {
+            *pages += 1;
+            *bytes += shrunk.footprint();
+        }
+        None => report.compressed_to.push((to, 1, shrunk.footprint())),
+    }
     Ok(())
 }

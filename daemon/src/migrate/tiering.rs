@@ -260,14 +260,14 @@ fn window_of(demotion: &Demotion) -> u64 {
 
 /// What one demotion decided for one layer of one session, once per [`demote_to_dram`] call.
 #[derive(Debug)]
-struct LayerPlan {
+pub(crate) struct LayerPlan {
     /// Tokens the client has published in the layer (where the recent window ends).
     written: u64,
     /// The recent window: pages with a token in the layer's last `window` tokens keep their format.
     window: u64,
     /// The format adaptive precision gives each candidate page (full, neither the sink page nor
     /// in the recent window), by block; empty when the demotion does not rank pages.
-    allocated: HashMap<u32, Format>,
+    pub(crate) allocated: HashMap<u32, Format>,
     /// The layer's floor.
     floor: Option<Format>,
 }
@@ -277,7 +277,7 @@ impl LayerPlan {
     /// (oldest first, the bytes of the full pages the shorter window spares paying for the step
     /// up), or by the attention mass the client recorded (clamped: a client can only misplace its
     /// own pages).
-    fn of(s: &Session, layer: u32, demotion: &Demotion) -> LayerPlan {
+    pub(crate) fn of(s: &Session, layer: u32, demotion: &Demotion) -> LayerPlan {
         let g = s.geometry;
         let bt = g.block_tokens;
         let written = s.layer_tokens(layer);
@@ -310,7 +310,7 @@ impl LayerPlan {
 
     /// Whether block `block`, holding `tokens` tokens, is a candidate: full, neither the sink page
     /// nor in the recent window.
-    fn candidate(&self, block: u32, tokens: u32, block_tokens: u32) -> bool {
+    pub(crate) fn candidate(&self, block: u32, tokens: u32, block_tokens: u32) -> bool {
         tokens == block_tokens && !keeps_precision(block, block_tokens, self.written, self.window)
     }
 }

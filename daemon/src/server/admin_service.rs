@@ -66,7 +66,7 @@ fn format_from_pb(f: i32) -> Result<kvmm_kernels::Format, Error> {
         .ok()
         .filter(|f| *f != pb::PageFormat::Unspecified)
         .and_then(|f| kvmm_kernels::Format::from_u8(f as u8))
-        .ok_or_else(|| Error::InvalidArgument(format!("format {f} is unknown; use PAGE_FORMAT_Q8, _Q4 or _Q2")))
+        .ok_or_else(|| Error::InvalidArgument(format!("format {f} is unknown; use PAGE_FORMAT_Q8, _K8V4, _Q4 or _Q2")))
 }
 
 #[tonic::async_trait]
@@ -155,8 +155,17 @@ impl pb::admin_server::Admin for AdminService {
         let (layers, blocks) = self.daemon.clamp_ranges(r.session_id, layers, blocks)?;
         // Re-encoding a large session takes tens of milliseconds or more: off the async workers.
         let daemon = self.daemon.clone();
-        let rep = off_workers("compress", move || span.in_scope(|| daemon.compress(r.session_id, layers, blocks, to)))
-            .await??;
+        let compress = move || span.in_scope(|| daemon.compress(r.session_id, layers, blocks, to, r.adaptive));
+        let rep = off_workers("compress", compress).await??;
+        let compressed_to = rep
+            .compressed_to
+            .iter()
+            .map(|&(format, pages, bytes)| pb::FormatUsage {
+                format: format.name().to_owned(),
+                pages: u64::from(pages),
+                bytes,
+            })
+            .collect();
         Ok(Response::new(pb::CompressResponse {
             compressed: rep.compressed,
             skipped_pinned: rep.skipped_pinned,
@@ -164,8 +173,10 @@ impl pb::admin_server::Admin for AdminService {
             skipped_already: rep.skipped_already,
             skipped_invalid: rep.skipped_invalid,
             skipped_floor: rep.skipped_floor,
+            skipped_window: rep.skipped_window,
             bytes_before: rep.bytes_before,
             bytes_after: rep.bytes_after,
+            compressed_to,
         }))
     }
 
