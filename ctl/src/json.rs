@@ -191,7 +191,13 @@ pub fn compress(c: &pb::CompressResponse) -> Value {
 
 /// `Demote`.
 pub fn demote(d: &pb::DemoteResponse) -> Value {
-    json!({ "demoted": d.demoted, "skipped": d.skipped })
+    json!({
+        "demoted": d.demoted,
+        "skipped": d.skipped,
+        "skipped_not_full": d.skipped_not_full,
+        "skipped_pinned": d.skipped_pinned,
+        "skipped_no_room": d.skipped_no_room,
+    })
 }
 
 /// `Drain`.

@@ -391,8 +391,18 @@ pub fn compress(id: u64, c: &pb::CompressResponse) -> String {
 pub fn demote(id: u64, tier: impl std::fmt::Debug, d: &pb::DemoteResponse) -> String {
     let tier = format!("{tier:?}").to_lowercase();
     let mut out = format!("session {id}: {} page(s) now in {tier}\n", d.demoted);
-    if d.skipped > 0 {
-        out += &format!("  {} left where they were (pinned, not full, or {tier} is full)\n", d.skipped);
+    let full = if tier == "dram" { "DRAM".to_owned() } else { "flash (or DRAM on the way)".to_owned() };
+    let reasons = [
+        (d.skipped_not_full, "not full (the client is still writing them)".to_owned()),
+        (d.skipped_pinned, "pinned by the client (try again)".to_owned()),
+        (d.skipped_no_room, format!("no room in {full}")),
+    ];
+    for (pages, why) in reasons.iter().filter(|(pages, _)| *pages > 0) {
+        out += &format!("  {pages} left: {why}\n");
+    }
+    let other = d.skipped.saturating_sub(d.skipped_not_full + d.skipped_pinned + d.skipped_no_room);
+    if other > 0 {
+        out += &format!("  {other} left: moved meanwhile (a fault brought them back)\n");
     }
     out
 }

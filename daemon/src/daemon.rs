@@ -241,6 +241,22 @@ pub struct Residency {
     pub dropped: bool,
 }
 
+/// What an admin `Demote` did with the pages of its range ([`Daemon::demote`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DemoteReport {
+    /// Pages in the target tier afterwards (those already there included; to DRAM, pages in
+    /// flash count too).
+    pub there: u32,
+    /// Pages left where they were, for the reasons below or because they moved meanwhile (a fault).
+    pub left: u32,
+    /// Of those, pages a client is still writing (fewer than `block_tokens` tokens published).
+    pub not_full: u32,
+    /// Of those, pages a client held pinned.
+    pub pinned: u32,
+    /// Of those, pages the target tier (DRAM, on the way to flash too) had no room for.
+    pub no_room: u32,
+}
+
 /// One orphaned session as `ListOrphans` shows it to its uid.
 #[derive(Clone, Debug)]
 pub struct OrphanInfo {
@@ -519,7 +535,7 @@ impl Daemon {
                     continue;
                 }
                 match self.demote(id, layers, blocks, to) {
-                    Ok((there, _)) => demoted += there,
+                    Ok(report) => demoted += report.there,
                     Err(e) if e.kind() == crate::error::ErrorKind::NotFound => {}
                     Err(e) => return Err(e),
                 }
@@ -1217,15 +1233,15 @@ impl Daemon {
         Ok(report)
     }
 
-    /// Moves the full pages of a range of a session down to `to` (DRAM or flash) now; returns
-    /// (pages now there, pages left where they were).
+    /// Moves the full pages of a range of a session down to `to` (DRAM or flash) now; reports
+    /// where the range's pages are afterwards and why those left behind stayed.
     pub fn demote(
         &self,
         session_id: u64,
         layers: std::ops::Range<u32>,
         blocks: std::ops::Range<u32>,
         to: TierKind,
-    ) -> Result<(u32, u32)> {
+    ) -> Result<DemoteReport> {
         self.admit()?;
         let missing = |tier: &str| {
             Error::FailedPrecondition(format!("kvmmd runs without a {tier} tier; configure tiers.{tier}_budget"))
@@ -1252,18 +1268,17 @@ impl Daemon {
         let refs: Vec<PageRef> = layers
             .flat_map(|layer| blocks.clone().map(move |block| PageRef { session: session_id, layer, block }))
             .collect();
-        let on_device: Vec<PageRef> = refs
+        let (on_device, not_full): (Vec<PageRef>, Vec<PageRef>) = refs
             .iter()
             .filter(|r| s.pages.page(r.layer, r.block).is_some_and(|p| matches!(p.place, Place::Device(_))))
-            .filter(|r| {
+            .partition(|r| {
                 s.region
                     .entry(r.layer, r.block)
                     .is_ok_and(|e| e.tokens_clamped(s.geometry.block_tokens) == s.geometry.block_tokens)
-            })
-            .copied()
-            .collect();
+            });
         let demotion = self.demotion();
-        tiering::demote_to_dram(&mut core, &demotion, &on_device, &mut Scratch::default())?;
+        let moved = tiering::demote_to_dram(&mut core, &demotion, &on_device, &mut Scratch::default())?;
+        let mut no_room = moved.no_room;
         if let (TierKind::Flash, Some(flash)) = (to, self.flash.as_ref()) {
             let s = core.sessions.get_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
             let in_dram: Vec<PageRef> = refs
@@ -1271,7 +1286,8 @@ impl Daemon {
                 .filter(|r| s.pages.page(r.layer, r.block).is_some_and(|p| matches!(p.place, Place::Dram(_))))
                 .copied()
                 .collect();
-            tiering::move_to_flash(&mut core, flash, &demotion, &in_dram)?;
+            let flashed = tiering::move_to_flash(&mut core, flash, &demotion, &in_dram)?;
+            no_room += in_dram.len() as u32 - flashed.min(in_dram.len() as u32);
         }
         let s = core.sessions.get_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
         let there = refs
@@ -1284,7 +1300,13 @@ impl Daemon {
                 })
             })
             .count() as u32;
-        Ok((there, refs.len() as u32 - there))
+        Ok(DemoteReport {
+            there,
+            left: refs.len() as u32 - there,
+            not_full: not_full.len() as u32,
+            pinned: moved.pinned,
+            no_room,
+        })
     }
 
     /// Daemon-wide status.

@@ -320,7 +320,8 @@ fn pages_in(daemon: &Daemon, id: u64, tier: &str, format: &str) -> u64 {
 /// `compress` and `demote` re-encode and move a running client's pages: the counts match what the
 /// admin API then reports, the client's attention stays within each format's bound (it checks
 /// every output against its own K/V passed through the same quantizer) and faults demoted pages
-/// back, and bad requests get the daemon's sentence with the exit code of their gRPC code.
+/// back, pages left behind are told apart (not full, pinned, no room), and bad requests get the
+/// daemon's sentence with the exit code of their gRPC code.
 #[test]
 fn compress_and_demote_re_encode_and_move_a_running_clients_pages() {
     let (daemon, _flash) = daemon_with_tiers(&[]);
@@ -347,6 +348,7 @@ fn compress_and_demote_re_encode_and_move_a_running_clients_pages() {
     // the tail and the empty page stay), then layer 1's to flash.
     let r = ctl(&daemon, &["--json", "demote", &id, "--tier", "dram", "--blocks", "3.."]).json();
     assert_eq!((r["demoted"].as_u64(), r["skipped"].as_u64()), (Some(6), Some(4)), "{r}");
+    assert_eq!((r["skipped_not_full"].as_u64(), r["skipped_pinned"].as_u64()), (Some(4), Some(0)), "{r}");
     let human = ctl(&daemon, &["demote", &id, "--tier", "flash", "--layers", "1", "--blocks", "3..6"]);
     assert_eq!(human.code, 0, "{human:?}");
     assert_eq!(human.stdout, format!("session {id}: 3 page(s) now in flash\n"));
@@ -364,6 +366,30 @@ fn compress_and_demote_re_encode_and_move_a_running_clients_pages() {
     for args in [&["compress", &id][..], &["compress", &id, "--format", "f16"], &["demote", &id, "--tier", "device"]] {
         assert_eq!(ctl(&daemon, args).code, 2, "{args:?}");
     }
+    // Why pages stay behind: a DRAM tier of 64 KiB holds only a few of a session's 12 full pages,
+    // and a page a client holds pinned does not move.
+    let small = Daemon::start(&["--device-budget", "64MiB", "--dram-budget", "64KiB"]);
+    let mut big = spawn_client("run", &small, &["--layers", "2", "--tokens", "200", "--seed", "3"]);
+    let big_id = fields(&big.expect_line("appended"))["session"].clone();
+    let r = ctl(&small, &["--json", "demote", &big_id, "--tier", "dram"]).json();
+    let (demoted, no_room) = (r["demoted"].as_u64().unwrap(), r["skipped_no_room"].as_u64().unwrap());
+    println!("to a 64 KiB DRAM tier: {demoted} pages moved, {no_room} found no room");
+    assert!(demoted >= 1 && no_room >= 1 && demoted + no_room == 12, "{r}");
+    assert_eq!((r["skipped"].as_u64(), r["skipped_not_full"].as_u64()), (Some(16 - demoted), Some(4)), "{r}");
+    let human = ctl(&small, &["demote", &big_id, "--tier", "dram"]);
+    assert!(human.stdout.contains(&format!("{no_room} left: no room in DRAM")), "{}", human.stdout);
+    let mut holder = spawn_client("hold-pin", &small, &[]);
+    let held = fields(&holder.expect_line("pinned"))["session"].clone();
+    holder.send("publish");
+    holder.expect_line("published");
+    let human = ctl(&small, &["demote", &held, "--tier", "dram"]);
+    assert!(human.stdout.starts_with(&format!("session {held}: 0 page(s) now in dram\n")), "{}", human.stdout);
+    assert!(human.stdout.contains("1 left: pinned by the client (try again)"), "{}", human.stdout);
+    holder.send("exit");
+    big.send("exit");
+    big.expect_line("detached");
+    assert!(small.stop().success());
+
     let plain = Daemon::start(&["--device-budget", "64MiB", "--dram-budget", "0"]);
     let mut p = spawn_client("run", &plain, &["--tokens", "40", "--seed", "2"]);
     let pid = fields(&p.expect_line("appended"))["session"].clone();

@@ -396,6 +396,10 @@ pub struct Moved {
     pub pages: u32,
     /// The device bytes their frames took.
     pub bytes: u64,
+    /// Pages left on the device because a client held a pin.
+    pub pinned: u32,
+    /// Pages not moved because the DRAM pool had no room (the first such page and every one after).
+    pub no_room: u32,
 }
 
 /// Moves `pages` from the device to the DRAM pool (module doc), each in the format `demotion`
@@ -413,14 +417,18 @@ pub fn demote_to_dram(
     let mut moved = Moved::default();
     let mut plans: HashMap<(u64, u32), LayerPlan> = HashMap::new();
     let mut pacer = LockPacer::start();
-    for &r in pages {
+    for (i, &r) in pages.iter().enumerate() {
         match demote_page(core, demotion, r, &mut plans, scratch)? {
             Demoted::Moved(bytes) => {
                 moved.pages += 1;
                 moved.bytes += bytes;
             }
             Demoted::Skipped => {}
-            Demoted::NoRoom => break,
+            Demoted::Pinned => moved.pinned += 1,
+            Demoted::NoRoom => {
+                moved.no_room = (pages.len() - i) as u32;
+                break;
+            }
         }
         pacer.between_pages(core);
     }
@@ -431,8 +439,10 @@ pub fn demote_to_dram(
 enum Demoted {
     /// With the device bytes its frame took.
     Moved(u64),
-    /// Not on the device any more, or pinned.
+    /// Not on the device any more.
     Skipped,
+    /// A client held a pin.
+    Pinned,
     /// The DRAM pool is full (or absent): the page stays.
     NoRoom,
 }
@@ -467,7 +477,7 @@ fn demote_page(
     let arena = pool.arena(uid).ok_or_else(|| Error::FailedPrecondition(format!("uid {uid} has no arena")))?;
     let Ok(ticket) = entry.try_begin_migrate(client) else {
         tier_counters.skipped_pinned += 1;
-        return Ok(Demoted::Skipped);
+        return Ok(Demoted::Pinned);
     };
     // From here every path finishes or aborts the migration.
     let Scratch { src, dst } = scratch;

@@ -199,9 +199,15 @@ impl pb::admin_server::Admin for AdminService {
         let blocks = r.first_block..if r.blocks == 0 { u32::MAX } else { r.first_block.saturating_add(r.blocks) };
         let (layers, blocks) = self.daemon.clamp_ranges(r.session_id, layers, blocks)?;
         let daemon = self.daemon.clone();
-        let (demoted, skipped) =
+        let report =
             off_workers("demote", move || span.in_scope(|| daemon.demote(r.session_id, layers, blocks, to))).await??;
-        Ok(Response::new(pb::DemoteResponse { demoted, skipped }))
+        Ok(Response::new(pb::DemoteResponse {
+            demoted: report.there,
+            skipped: report.left,
+            skipped_not_full: report.not_full,
+            skipped_pinned: report.pinned,
+            skipped_no_room: report.no_room,
+        }))
     }
 
     async fn reload_policy(
