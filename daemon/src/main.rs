@@ -136,11 +136,39 @@ fn run(cli: Cli, arenas: kvmm_daemon::malloc::ArenaCap) -> anyhow::Result<()> {
     }
     init_logging(&config.log)?;
     tracing::debug!(?arenas, "malloc arenas");
+    raise_open_file_limit();
     let dir = RuntimeDir::acquire(&config.runtime_dir)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let daemon = Daemon::new(config)?;
     runtime.block_on(kvmm_daemon::server::run(daemon, dir, passed))?;
     Ok(())
+}
+
+/// Raises the soft limit on open files to the hard limit. kvmmd holds a few fds per client (the
+/// connection's socket and its opener's pidfd, each session's table and region memfds, one arena
+/// per uid), and the usual soft limit of 1,024 (systemd's default for services, with a hard limit
+/// of 524,288) would end Attach with "Too many open files" at a few hundred clients. The sysinfo
+/// crate also raises it, as a side effect of its first process lookup (the first Attach's process
+/// name); doing it here makes it explicit and logged. kvmmd uses epoll, never select(2), so high
+/// fd numbers are safe.
+fn raise_open_file_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let (Some(soft), hard) = (limit.current, limit.maximum) else { return };
+    if hard.is_some_and(|hard| hard <= soft) {
+        return;
+    }
+    // An unlimited hard limit cannot be a soft one for RLIMIT_NOFILE (the kernel caps it at
+    // fs.nr_open): ask for that cap.
+    let target = hard.unwrap_or_else(|| {
+        std::fs::read_to_string("/proc/sys/fs/nr_open").ok().and_then(|t| t.trim().parse().ok()).unwrap_or(1 << 20)
+    });
+    match setrlimit(Resource::Nofile, rustix::process::Rlimit { current: Some(target), maximum: hard }) {
+        Ok(()) => tracing::info!(from = soft, to = target, "raised the limit on open files to its hard limit"),
+        Err(e) => {
+            tracing::warn!(limit = soft, error = %e, "cannot raise the limit on open files; Attach may fail with \"Too many open files\" past a few hundred clients (raise LimitNOFILE=)")
+        }
+    }
 }
 
 /// Where log lines go: to journald (structured fields, priorities from levels) when stderr is the

@@ -197,3 +197,41 @@ fn check_config_prints_the_values_it_would_run_with_and_touches_nothing() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("a flash tier needs a DRAM tier") && out.stdout.is_empty(), "{err}");
 }
+
+/// kvmmd raises its soft limit on open files to the hard one as it starts (before, the sysinfo
+/// crate did so as a side effect of the first process-name lookup, at the first Attach): started
+/// with 64 of 4,096, it runs with 4,096 before any client connects, says so in its log, and then
+/// serves 48 clients of one session each, which takes it past 200 fds.
+#[test]
+fn kvmmd_raises_its_open_file_limit_and_serves_more_clients_than_the_soft_limit_allows() {
+    let kvmmd = kvmmd_command();
+    let mut limited = std::process::Command::new("prlimit");
+    limited.arg("--nofile=64:4096").arg("--").arg(kvmmd.get_program()).args(kvmmd.get_args());
+    for (key, value) in kvmmd.get_envs() {
+        match value {
+            Some(v) => limited.env(key, v),
+            None => limited.env_remove(key),
+        };
+    }
+    let daemon = Daemon::start_with(limited, None, &["--device-budget", "64MiB"]);
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", daemon.pid())).unwrap();
+    let line = limits.lines().find(|l| l.starts_with("Max open files")).unwrap();
+    assert_eq!(line.split_whitespace().skip(3).take(2).collect::<Vec<_>>(), ["4096", "4096"], "{limits}");
+    assert!(daemon.log().contains("raised the limit on open files to its hard limit"), "{}", daemon.log());
+
+    const CLIENTS: u32 = 48;
+    let geometry = kvmm_client::Geometry::new(2, 2, 4, 64, 256);
+    let mut sessions = Vec::new();
+    for i in 0..CLIENTS {
+        let client = kvmm_client::Client::connect(daemon.socket()).unwrap();
+        let session = client.attach(geometry).unwrap_or_else(|e| panic!("client {i}: {e}\n{}", daemon.log()));
+        sessions.push((client, session));
+    }
+    assert_eq!(daemon.status().sessions, CLIENTS);
+    let fds = std::fs::read_dir(format!("/proc/{}/fd", daemon.pid())).unwrap().count();
+    println!("kvmmd holds {fds} fds for {CLIENTS} clients");
+    assert!(fds > 64, "the test needs more fds than the soft limit it started with: {fds}");
+    drop(sessions);
+    assert_eq!(daemon.wait_drained().sessions, 0);
+    assert!(daemon.stop().success());
+}
