@@ -23,8 +23,16 @@ fn a_killed_client_is_wiped_within_a_second_and_others_are_unaffected() {
     }
     assert!(daemon.device_used() > baseline.tiers[0].used_bytes);
     victim.kill9();
-    let (after, took) = daemon.wait_status(Duration::from_secs(5), |s| s.sessions == baseline.sessions);
-    println!("the killed client's session was wiped {took:?} after SIGKILL returned");
+    // The session leaves the registry before its frames are zeroed and freed (with the lock handed
+    // over between pages): wait for both.
+    let back = |s: &kvmm_proto::v1::StatusResponse| {
+        s.sessions == baseline.sessions
+            && s.tiers[0].used_bytes == baseline.tiers[0].used_bytes
+            && s.tiers[0].frames == baseline.tiers[0].frames
+    };
+    let (after, took) = daemon.wait_status(Duration::from_secs(5), back);
+    println!("the killed client's session was wiped and its frames freed {took:?} after SIGKILL returned");
+    assert_eq!(after.sessions, baseline.sessions, "the session is gone");
     assert!(took <= Duration::from_secs(1), "wipe took {took:?}");
     assert_eq!(after.tiers[0].used_bytes, baseline.tiers[0].used_bytes, "accounting is back to baseline");
     assert_eq!(after.tiers[0].frames, baseline.tiers[0].frames);
