@@ -221,6 +221,15 @@ enum DemoteTier {
     Flash,
 }
 
+impl DemoteTier {
+    fn to_pb(self) -> pb::Tier {
+        match self {
+            DemoteTier::Dram => pb::Tier::Dram,
+            DemoteTier::Flash => pb::Tier::Flash,
+        }
+    }
+}
+
 #[derive(ValueEnum, Clone, Copy, Debug)]
 enum CompletionShell {
     Bash,
@@ -294,14 +303,11 @@ fn run(cli: Cli) -> Result<(), Failure> {
         }
         Command::Demote(args) => {
             let (first_layer, layers, first_block, blocks) = args.range.fields();
-            let tier = match args.tier {
-                DemoteTier::Dram => pb::Tier::Dram,
-                DemoteTier::Flash => pb::Tier::Flash,
-            };
+            let tier = args.tier.to_pb();
             let request =
                 pb::DemoteRequest { session_id: args.id, first_layer, layers, first_block, blocks, tier: tier as i32 };
             let d = runtime.block_on(admin.demote(request)).map_err(Failure::rpc("Demote"))?.into_inner();
-            print(json, json::demote(&d), || render::demote(args.id, args.tier, &d))
+            print(json, json::demote(&d), || render::demote(args.id, tier, &d))
         }
         Command::Drain { resume } => {
             let d =

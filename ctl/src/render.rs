@@ -388,14 +388,16 @@ pub fn compress(id: u64, c: &pb::CompressResponse) -> String {
 }
 
 /// `Demote` of session `id` to `tier`.
-pub fn demote(id: u64, tier: impl std::fmt::Debug, d: &pb::DemoteResponse) -> String {
-    let tier = format!("{tier:?}").to_lowercase();
-    let mut out = format!("session {id}: {} page(s) now in {tier}\n", d.demoted);
-    let full = if tier == "dram" { "DRAM".to_owned() } else { "flash (or DRAM on the way)".to_owned() };
+pub fn demote(id: u64, tier: pb::Tier, d: &pb::DemoteResponse) -> String {
+    let (name, full) = match tier {
+        pb::Tier::Flash => ("flash", "no room in flash (or DRAM on the way)"),
+        _ => ("dram", "no room in DRAM"),
+    };
+    let mut out = format!("session {id}: {} page(s) now in {name}\n", d.demoted);
     let reasons = [
-        (d.skipped_not_full, "not full (the client is still writing them)".to_owned()),
-        (d.skipped_pinned, "pinned by the client (try again)".to_owned()),
-        (d.skipped_no_room, format!("no room in {full}")),
+        (d.skipped_not_full, "not full (the client is still writing them)"),
+        (d.skipped_pinned, "pinned by the client (try again)"),
+        (d.skipped_no_room, full),
     ];
     for (pages, why) in reasons.iter().filter(|(pages, _)| *pages > 0) {
         out += &format!("  {pages} left: {why}\n");

@@ -2,7 +2,7 @@
 //! pin/migrate protocol, and fd passing over `SOCK_SEQPACKET`.
 //!
 //! All of kvmm's `unsafe` for shared memory lives in this crate: `mmap`/`munmap` and raw byte copies
-//! ([`mapping`]), atomic views over shared memory ([`table`], [`region`]), two `getsockopt`s
+//! ([`mapping`]), atomic views over shared memory ([`table`], [`region`]), one `getsockopt`
 //! ([`fdpass`], for `SO_PEERCRED` and `SO_PEERPIDFD`; everything else there goes through rustix's
 //! safe API), and
 //! adopting the fds systemd passes ([`activation`]). Each file opens with a doc comment saying what

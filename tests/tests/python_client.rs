@@ -9,41 +9,48 @@
 
 #![allow(clippy::unwrap_used)]
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 use kvmm_tests::{Daemon, fields, spawn_client};
 
+/// The interpreter, or `None` after saying why the test skips.
 fn python() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("KVMM_PYTHON") {
         return Some(PathBuf::from(p));
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from)?;
-    let venv = home.join(".cache/kvmm/pyenv/bin/python");
-    venv.exists().then_some(venv)
+    let venv = std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache/kvmm/pyenv/bin/python"));
+    let found = venv.filter(|v| v.exists());
+    if found.is_none() {
+        println!("skipped: no Python with grpcio (set KVMM_PYTHON; .ci/run makes one)");
+    }
+    found
+}
+
+/// Runs `tests/python/SCRIPT PROTO_DIR ARGS...` (it must succeed): the JSON object it prints.
+fn run_script(python: &Path, script: &str, args: &[&OsStr]) -> serde_json::Value {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new(python)
+        .arg(root.join("python").join(script))
+        .arg(root.join("../proto/proto"))
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{script} {args:?}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+    println!("python {script}: {stdout}");
+    serde_json::from_str(stdout.trim()).unwrap()
 }
 
 #[test]
 fn a_python_grpcio_client_reads_status_and_sessions() {
-    let Some(python) = python() else {
-        println!("skipped: no Python with grpcio (set KVMM_PYTHON; .ci/run makes one)");
-        return;
-    };
+    let Some(python) = python() else { return };
     let daemon = Daemon::start(&["--device-budget", "64MiB"]);
     let mut c = spawn_client("run", &daemon, &["--layers", "3", "--tokens", "77", "--seed", "51"]);
     let session: u64 = fields(&c.expect_line("appended"))["session"].parse().unwrap();
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let out = Command::new(&python)
-        .arg(root.join("python/admin_client.py"))
-        .arg(root.join("../proto/proto"))
-        .arg(daemon.dir().join("kvmm-admin.sock"))
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}: {stdout}{}", python.display(), String::from_utf8_lossy(&out.stderr));
-    println!("python saw: {stdout}");
-    let seen: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let seen = run_script(&python, "admin_client.py", &[daemon.dir().join("kvmm-admin.sock").as_os_str()]);
     assert_eq!(seen["sessions"], 1);
     assert_eq!(seen["tiers"]["device"], 64 << 20);
     assert!(seen["mode"].as_str().is_some_and(|m| !m.is_empty()));
@@ -58,21 +65,11 @@ fn a_python_grpcio_client_reads_status_and_sessions() {
     assert!(daemon.stop().success());
 }
 
-/// Runs `tests/python/session_client.py MODE ARGS...` against `daemon`: the JSON it prints.
-fn session_client(python: &Path, daemon: &Daemon, mode: &[&str]) -> serde_json::Value {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let out = Command::new(python)
-        .arg(root.join("python/session_client.py"))
-        .arg(root.join("../proto/proto"))
-        .arg(daemon.dir())
-        .args(mode)
-        .output()
-        .unwrap();
-    let mode = mode[0];
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{mode}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
-    println!("python {mode}: {stdout}");
-    serde_json::from_str(stdout.trim()).unwrap()
+/// Runs `tests/python/session_client.py RUNTIME_DIR ARGS...` against `daemon`.
+fn session_client(python: &Path, daemon: &Daemon, args: &[&str]) -> serde_json::Value {
+    let mut all = vec![daemon.dir().as_os_str()];
+    all.extend(args.iter().map(OsStr::new));
+    run_script(python, "session_client.py", &all)
 }
 
 /// A Python process attaches a lingering session, receives its memfds on the fd socket, checks the
@@ -83,10 +80,7 @@ fn session_client(python: &Path, daemon: &Daemon, mode: &[&str]) -> serde_json::
 /// the table now places it), reads the token counts back, and detaches.
 #[test]
 fn a_python_process_writes_kv_in_place_and_another_resumes_the_session_it_left() {
-    let Some(python) = python() else {
-        println!("skipped: no Python with grpcio (set KVMM_PYTHON; .ci/run makes one)");
-        return;
-    };
+    let Some(python) = python() else { return };
     let daemon = Daemon::start(&["--device-budget", "64MiB"]);
     let left = session_client(&python, &daemon, &["leave"]);
     assert_eq!(left["refused"]["code"], "INVALID_ARGUMENT", "{left}");

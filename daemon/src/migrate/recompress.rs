@@ -106,12 +106,11 @@ pub fn recompress(
     let mut pacer = LockPacer::start();
     for layer in layers {
         let floor = how.floors.of(layer, g.layers);
-        let plan = match how.ranks_pages() {
-            true => {
-                let s = core.sessions.get_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
-                Some(LayerPlan::of(s, layer, how))
-            }
-            false => None,
+        let plan = if how.ranks_pages() {
+            let s = core.sessions.get_unchecked(session_id).ok_or(Error::UnknownSession(session_id))?;
+            Some(LayerPlan::of(s, layer, how))
+        } else {
+            None
         };
         for block in blocks.clone() {
             let page = PageAt { session_id, layer, block, to, floor, plan: plan.as_ref(), by_age: how.by_age() };
@@ -164,10 +163,7 @@ fn recompress_page(core: &mut Core, at: PageAt, scratch: &mut Scratch, report: &
             return Ok(());
         }
         // The allocation without the floor, which is applied below for both kinds of request.
-        Some(plan) => {
-            let allocated = plan.allocated.get(&block).copied();
-            precision::target_format(page.format, true, allocated, Some(to), None, by_age)
-        }
+        Some(plan) => precision::target_format(page.format, true, plan.allocated(block), Some(to), None, by_age),
     };
     if rank(page.format) <= rank(to) {
         report.skipped_already += 1;

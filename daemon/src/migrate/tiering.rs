@@ -267,7 +267,7 @@ pub(crate) struct LayerPlan {
     window: u64,
     /// The format adaptive precision gives each candidate page (full, neither the sink page nor
     /// in the recent window), by block; empty when the demotion does not rank pages.
-    pub(crate) allocated: HashMap<u32, Format>,
+    allocated: HashMap<u32, Format>,
     /// The layer's floor.
     floor: Option<Format>,
 }
@@ -306,6 +306,11 @@ impl LayerPlan {
             allocated = candidates.iter().map(|&(b, _)| b).zip(formats).collect();
         }
         LayerPlan { written, window, allocated, floor: demotion.floors.of(layer, g.layers) }
+    }
+
+    /// The format adaptive precision gave candidate block `block` (`None` when it ranks no pages).
+    pub(crate) fn allocated(&self, block: u32) -> Option<Format> {
+        self.allocated.get(&block).copied()
     }
 
     /// Whether block `block`, holding `tokens` tokens, is a candidate: full, neither the sink page
@@ -468,7 +473,7 @@ fn demote_page(
     let shape = g.page_shape();
     let tokens = s.region.entry(r.layer, r.block)?.tokens_clamped(g.block_tokens);
     let candidate = plan.candidate(r.block, tokens, g.block_tokens);
-    let allocated = plan.allocated.get(&r.block).copied();
+    let allocated = plan.allocated(r.block);
     let target =
         precision::target_format(page.format, candidate, allocated, demotion.format, plan.floor, demotion.by_age());
     let entry = s.table.entry_writer(r.layer, r.block)?;

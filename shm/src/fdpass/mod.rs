@@ -67,42 +67,56 @@ pub enum PeerProcess {
 /// close-on-exec.
 pub fn peer_pidfd(socket: BorrowedFd<'_>) -> Result<PeerProcess, ShmError> {
     let mut pidfd: libc::c_int = -1;
-    let mut len = size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: `pidfd` and `len` are valid for writes, `len` is the size of `pidfd`, and the kernel
-    // writes at most `len` bytes (one int, a new fd it installed close-on-exec in our table) there;
-    // `socket` is a live fd borrowed for the call.
-    let rc = unsafe {
-        libc::getsockopt(
-            socket.as_raw_fd(),
-            libc::SOL_SOCKET,
-            SO_PEERPIDFD,
-            (&raw mut pidfd).cast::<libc::c_void>(),
-            &mut len,
-        )
+    let len = match socket_option(socket, SO_PEERPIDFD, &mut pidfd) {
+        Ok(len) => len,
+        Err(e) => {
+            let errno = rustix::io::Errno::from_io_error(&e).unwrap_or(rustix::io::Errno::IO);
+            return match errno {
+                // Kernels that reap the peer before the call answer so; newer ones hand out a
+                // pidfd that is readable at once.
+                rustix::io::Errno::SRCH => Ok(PeerProcess::Exited),
+                // Before Linux 6.5 (ENOPROTOOPT); a socket without a peer process (EINVAL, ENODATA).
+                rustix::io::Errno::NOPROTOOPT | rustix::io::Errno::INVAL | rustix::io::Errno::NODATA => {
+                    Ok(PeerProcess::Unknown(errno))
+                }
+                e => Err(ShmError::os("getsockopt(SO_PEERPIDFD)", "a Unix socket", e)),
+            };
+        }
     };
-    if rc != 0 {
-        let errno = rustix::io::Errno::from_io_error(&std::io::Error::last_os_error()).unwrap_or(rustix::io::Errno::IO);
-        return match errno {
-            // Kernels that reap the peer before the call answer so; newer ones hand out a pidfd
-            // that is readable at once.
-            rustix::io::Errno::SRCH => Ok(PeerProcess::Exited),
-            // Before Linux 6.5 (ENOPROTOOPT); a socket without a peer process (EINVAL, ENODATA).
-            rustix::io::Errno::NOPROTOOPT | rustix::io::Errno::INVAL | rustix::io::Errno::NODATA => {
-                Ok(PeerProcess::Unknown(errno))
-            }
-            e => Err(ShmError::os("getsockopt(SO_PEERPIDFD)", "a Unix socket", e)),
-        };
-    }
     if pidfd < 0 {
         return Err(ShmError::malformed("SO_PEERPIDFD", format!("the kernel returned fd {pidfd}")));
     }
     // SAFETY: the kernel just installed `pidfd` in this process's fd table for us; nothing else
     // owns it, so the `OwnedFd` becomes its only owner and closes it once.
     let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
-    if len as usize != size_of::<libc::c_int>() {
+    if len != size_of::<libc::c_int>() {
         return Err(ShmError::malformed("SO_PEERPIDFD", format!("the kernel returned {len} bytes, not an int")));
     }
     Ok(PeerProcess::Pidfd(pidfd))
+}
+
+/// A value `getsockopt` may write: plain integers, valid whatever bytes the kernel leaves.
+trait SocketOption {}
+impl SocketOption for libc::c_int {}
+impl SocketOption for libc::ucred {}
+
+/// `getsockopt(SOL_SOCKET, option)` into `value`: the bytes the kernel wrote, or its errno.
+fn socket_option<T: SocketOption>(
+    socket: BorrowedFd<'_>,
+    option: libc::c_int,
+    value: &mut T,
+) -> std::io::Result<usize> {
+    let mut len = size_of::<T>() as libc::socklen_t;
+    // SAFETY: `value` and `len` are valid for writes, `len` is the size of `value`, the kernel writes
+    // at most `len` bytes there, and any bytes make a valid `T` (`SocketOption`); `socket` is a
+    // live fd borrowed for the call.
+    let rc = unsafe {
+        libc::getsockopt(socket.as_raw_fd(), libc::SOL_SOCKET, option, std::ptr::from_mut(value).cast(), &mut len)
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(len as usize)
 }
 
 /// `SO_PEERPIDFD` (Linux 6.5) as `asm-generic/socket.h` numbers it, which x86-64 and aarch64 use
@@ -239,27 +253,12 @@ impl SeqpacketConn {
         // Read through libc rather than rustix: rustix's `UCred` holds a non-zero `Pid`, but the
         // kernel reports pid 0 for a peer outside this process's pid namespace.
         let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
-        let mut len = size_of::<libc::ucred>() as libc::socklen_t;
-        // SAFETY: `cred` and `len` are valid for writes, `len` is the size of `cred`, and the
-        // kernel writes at most `len` bytes of a `struct ucred` there; the fd is a live socket
-        // borrowed from `self`.
-        let rc = unsafe {
-            libc::getsockopt(
-                self.fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_PEERCRED,
-                (&raw mut cred).cast::<libc::c_void>(),
-                &mut len,
-            )
-        };
-        if rc != 0 {
-            return Err(ShmError::Os {
-                call: "getsockopt(SO_PEERCRED)",
-                what: "the fd-passing socket".to_owned(),
-                source: std::io::Error::last_os_error(),
-            });
-        }
-        if len as usize != size_of::<libc::ucred>() {
+        let len = socket_option(self.fd.as_fd(), libc::SO_PEERCRED, &mut cred).map_err(|source| ShmError::Os {
+            call: "getsockopt(SO_PEERCRED)",
+            what: "the fd-passing socket".to_owned(),
+            source,
+        })?;
+        if len != size_of::<libc::ucred>() {
             return Err(ShmError::malformed(
                 "SO_PEERCRED",
                 format!("the kernel returned {len} bytes, not the {} of a struct ucred", size_of::<libc::ucred>()),
