@@ -25,16 +25,20 @@ pub fn workspace_bin(name: &str) -> PathBuf {
     if let Some(p) = std::env::var_os(&var) {
         return PathBuf::from(p);
     }
-    // Integration tests live in target/<profile>/deps/; binaries in target/<profile>/.
-    let exe = std::env::current_exe().expect("current exe");
-    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>");
-    let bin = profile_dir.join(name);
+    let bin = profile_dir().join(name);
     assert!(
         bin.exists(),
         "{} does not exist: run the tests with `cargo test --workspace` (which builds it) or set {var}",
         bin.display()
     );
     bin
+}
+
+/// The target directory this test was built into, `target/<profile>/`: integration tests and
+/// the C API's `libkvmm.so` live in its `deps/`, the workspace's binaries in it.
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    exe.parent().and_then(Path::parent).expect("target/<profile>").to_owned()
 }
 
 /// Path of the kvmmd binary.
