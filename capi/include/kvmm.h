@@ -175,6 +175,9 @@ uint64_t kvmm_session_id(const kvmm_session *session);
 /* Tokens appended to a layer (0 for NULL or a layer out of range). */
 uint32_t kvmm_session_tokens(const kvmm_session *session, uint32_t layer);
 
+/* The session's geometry (for a resumed session, the one it was attached with). */
+int kvmm_session_geometry(const kvmm_session *session, kvmm_geometry *geometry);
+
 /* Appends `tokens` tokens' K and V rows to a layer: k and v each hold tokens * kv_heads *
  * head_dim floats, token-major (k[(t * kv_heads + h) * head_dim + d]), stored as the session's
  * element type. On KVMM_RESOURCE_EXHAUSTED the tokens that fit stay appended

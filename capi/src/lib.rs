@@ -496,6 +496,23 @@ pub unsafe extern "C" fn kvmm_session_tokens(session: *const KvmmSession, layer:
 ///
 /// # Safety
 ///
+/// `session` is NULL or a live handle; `geometry` NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmm_session_geometry(session: *const KvmmSession, geometry: *mut CGeometry) -> c_int {
+    call("kvmm_session_geometry", || {
+        let geometry = output(geometry, "geometry")?;
+        // SAFETY: per this function's contract.
+        let s = unsafe { required(session, "session") }?;
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { geometry.write(c_geometry(s.session.geometry())) };
+        Ok(())
+    })
+}
+
+/// See `kvmm.h`.
+///
+/// # Safety
+///
 /// `session` is NULL or a live handle no other thread uses; `k` and `v` NULL or valid for
 /// `tokens × kv_heads × head_dim` floats.
 #[unsafe(no_mangle)]

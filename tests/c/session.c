@@ -342,6 +342,14 @@ static int resume_mode(const char *socket) {
     refused("kvmm_resume", kvmm_resume(client, id, &other, &s), KVMM_FAILED_PRECONDITION);
     kvmm_geometry g = geometry();
     CHECK(kvmm_resume(client, id, &g, &s));
+    kvmm_geometry resumed;
+    CHECK(kvmm_session_geometry(s, &resumed));
+    kvmm_geometry expected = g;
+    expected.block_tokens = 32; /* the default that 0 asked for */
+    if (memcmp(&resumed, &expected, sizeof expected) != 0) {
+        printf("FAIL the resumed session's geometry differs from the one it was attached with\n");
+        return 1;
+    }
     if (kvmm_session_tokens(s, 0) != 70 || kvmm_session_tokens(s, 1) != 70) {
         printf("FAIL the resumed session holds %u and %u tokens\n", kvmm_session_tokens(s, 0), kvmm_session_tokens(s, 1));
         return 1;

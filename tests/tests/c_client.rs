@@ -8,6 +8,8 @@
 //! session that another finds with `kvmm_orphans` and resumes; and the header's structs have the
 //! library's layout.
 
+#![allow(clippy::unwrap_used)]
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
