@@ -4,12 +4,14 @@
 #   systemd/install.sh [install|uninstall] [--destdir DIR] [--prefix /usr] [--sysconfdir /etc]
 #                      [--no-build] [--bindir-from DIR] [--systemd-version N] [--purge]
 #
-# install (the default) builds the release binaries with
-# `cargo build --release --locked -p kvmm-daemon -p kvmm-ctl` when they are missing or older than
-# the sources (the release profile is fat LTO: minutes, not seconds; build as yourself first, then
-# run this with sudo), then installs:
+# install (the default) builds the release binaries and the client library with
+# `cargo build --release --locked -p kvmm-daemon -p kvmm-ctl -p kvmm-capi` when they are missing or
+# older than the sources (the release profile is fat LTO: minutes, not seconds; build as yourself
+# first, then run this with sudo), then installs:
 #
 #   $prefix/bin/kvmmd, $prefix/bin/kvmmctl                          0755
+#   $prefix/lib/libkvmm.so                                          0755, the C API (capi/)
+#   $prefix/include/kvmm.h, $prefix/lib/pkgconfig/kvmm.pc           0644
 #   $prefix/lib/systemd/system/kvmmd{,-fd,-admin}.socket, kvmmd.service 0644
 #   $prefix/lib/systemd/system/kvmmd.service.d/50-systemd-254.conf  0644, only for systemd >= 254
 #   $prefix/lib/sysusers.d/kvmm.conf                                0644
@@ -20,6 +22,7 @@
 # Paths the units name (/usr/bin/kvmmd, /etc/kvmm/kvmmd.toml, /usr/share/doc/kvmm) follow --prefix
 # and --sysconfdir. As root on a host where systemd is PID 1 and without --destdir, it then creates
 # the user and groups (systemd-sysusers) and reloads systemd; otherwise it prints those commands.
+# As root without --destdir it runs ldconfig for the library.
 #
 # uninstall stops and disables the units (same conditions), removes every file listed above and
 # leaves $sysconfdir/kvmm/kvmmd.toml and /var/lib/kvmm (the flash file) unless --purge. The user
@@ -28,7 +31,7 @@
 #
 # --destdir DIR        stage everything under DIR (packaging, tests); touches nothing else
 # --no-build           never run cargo; install the binaries that are there
-# --bindir-from DIR    take kvmmd and kvmmctl from DIR (also $KVMM_BIN_DIR) instead of
+# --bindir-from DIR    take kvmmd, kvmmctl and libkvmm.so from DIR (also $KVMM_BIN_DIR) instead of
 #                      ${CARGO_TARGET_DIR:-target}/release; implies --no-build
 # --systemd-version N  decide about the systemd 254 drop-in for N instead of `systemctl --version`
 # --purge              uninstall: remove the configuration and /var/lib/kvmm too
@@ -108,6 +111,9 @@ dropindir="$unitdir/kvmmd.service.d"
 dropin="$dropindir/50-systemd-254.conf"
 sysusers="$prefix/lib/sysusers.d/kvmm.conf"
 docdir="$prefix/share/doc/kvmm"
+library="$prefix/lib/libkvmm.so"
+header="$prefix/include/kvmm.h"
+pkgconfig="$prefix/lib/pkgconfig/kvmm.pc"
 confdir="$sysconfdir/kvmm"
 config="$confdir/kvmmd.toml"
 statedir=/var/lib/kvmm
@@ -119,7 +125,7 @@ next_steps=(
 
 # Every file install puts in place (without $destdir), so uninstall removes exactly those.
 installed_files() {
-  printf '%s\n' "$prefix/bin/kvmmd" "$prefix/bin/kvmmctl"
+  printf '%s\n' "$prefix/bin/kvmmd" "$prefix/bin/kvmmctl" "$library" "$header" "$pkgconfig"
   local unit
   for unit in "${units[@]}"; do printf '%s\n' "$unitdir/$unit"; done
   printf '%s\n' "$dropin" "$sysusers" "$docdir/kvmmd.toml.example" "$docdir/README.md"
@@ -139,9 +145,13 @@ host_systemd_version() {
   printf '%s' "${v%%[^0-9]*}"
 }
 
+# What install takes from the build directory, and the command that builds it.
+built=(kvmmd kvmmctl libkvmm.so)
+cargo_build="cargo build --release --locked -p kvmm-daemon -p kvmm-ctl -p kvmm-capi"
+
 build_binaries() {
   local bindir="$1" stale="" bin
-  for bin in kvmmd kvmmctl; do
+  for bin in "${built[@]}"; do
     if [[ ! -x "$bindir/$bin" ]]; then
       stale="$bindir/$bin is missing"
       break
@@ -158,9 +168,9 @@ build_binaries() {
     return
   fi
   command -v cargo >/dev/null 2>&1 ||
-    die "$stale and cargo is not on PATH (sudo resets it): build first as yourself with \`cargo build --release --locked -p kvmm-daemon -p kvmm-ctl\`, then run this again (or pass --no-build)"
+    die "$stale and cargo is not on PATH (sudo resets it): build first as yourself with \`$cargo_build\`, then run this again (or pass --no-build)"
   say "$stale; building with cargo (release profile, fat LTO: this takes minutes)"
-  (cd "$repo" && cargo build --release --locked -p kvmm-daemon -p kvmm-ctl) ||
+  (cd "$repo" && $cargo_build) ||
     die "cargo build failed; nothing was installed"
 }
 
@@ -173,10 +183,14 @@ do_install() {
     [[ "$build" == no ]] || build_binaries "$bindir"
   fi
   local bin
-  for bin in kvmmd kvmmctl; do
+  for bin in "${built[@]}"; do
     [[ -x "$bindir/$bin" ]] ||
-      die "$bindir/$bin is not an executable: build it (cargo build --release --locked -p kvmm-daemon -p kvmm-ctl) or name its directory with --bindir-from"
+      die "$bindir/$bin is not an executable: build it ($cargo_build) or name its directory with --bindir-from"
   done
+  [[ -f "$repo/capi/include/kvmm.h" ]] || die "$repo/capi/include/kvmm.h is missing: run this script from a kvmm checkout"
+  local release
+  release="$(sed -n 's/^version = "\(.*\)"$/\1/p' "$repo/Cargo.toml" | head -n 1)"
+  [[ -n "$release" ]] || die "no version line in $repo/Cargo.toml"
   for f in "${units[@]}" kvmm.sysusers kvmmd.toml.example kvmmd.service.d/50-systemd-254.conf; do
     [[ -f "$here/$f" ]] || die "$here/$f is missing: run this script from a kvmm checkout"
   done
@@ -191,6 +205,25 @@ do_install() {
     install -D -m 0644 "$tmp/$unit" "$destdir$unitdir/$unit"
   done
   say "installed kvmmd and kvmmctl to $destdir$prefix/bin and the units to $destdir$unitdir"
+
+  install -D -m 0755 "$bindir/libkvmm.so" "$destdir$library"
+  install -D -m 0644 "$repo/capi/include/kvmm.h" "$destdir$header"
+  cat >"$tmp/kvmm.pc" <<PC
+prefix=$prefix
+libdir=\${prefix}/lib
+includedir=\${prefix}/include
+
+Name: kvmm
+Description: C API of the kvmm client library (sessions of kvmmd, the KV-cache memory daemon)
+Version: $release
+Libs: -L\${libdir} -lkvmm
+Cflags: -I\${includedir}
+PC
+  install -D -m 0644 "$tmp/kvmm.pc" "$destdir$pkgconfig"
+  say "installed the C API: $destdir$library, $destdir$header and $destdir$pkgconfig"
+  if [[ -z "$destdir" && "$EUID" -eq 0 ]]; then
+    ldconfig || say "ldconfig failed; programs may not find $library until it runs"
+  fi
 
   version="${systemd_version:-$(host_systemd_version)}"
   if [[ -z "$version" ]]; then
@@ -247,7 +280,10 @@ do_uninstall() {
       say "removed $destdir$f"
     fi
   done < <(installed_files)
-  rmdir "$destdir$dropindir" "$destdir$docdir" 2>/dev/null || true
+  rmdir "$destdir$dropindir" "$destdir$docdir" "$destdir$(dirname "$pkgconfig")" 2>/dev/null || true
+  if [[ -z "$destdir" && "$EUID" -eq 0 ]]; then
+    ldconfig || say "ldconfig failed"
+  fi
 
   if [[ "$purge" == yes ]]; then
     for f in "$destdir$config" "$destdir$statedir"; do

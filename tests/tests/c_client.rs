@@ -46,9 +46,17 @@ fn compile(dir: &Path) -> PathBuf {
     program
 }
 
+/// A command running the program with the library it was linked against (its run path): cargo's
+/// `LD_LIBRARY_PATH` would put the build directory's copy first, which may be another build's.
+fn program_command(program: &Path) -> Command {
+    let mut command = Command::new(program);
+    command.env_remove("LD_LIBRARY_PATH");
+    command
+}
+
 /// Runs the program in `mode` to the end and returns its output lines.
 fn run(program: &Path, mode: &str, socket: &Path) -> Vec<String> {
-    let out = Command::new(program).arg(mode).arg(socket).output().expect("run the C program");
+    let out = program_command(program).arg(mode).arg(socket).output().expect("run the C program");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(out.status.success(), "{mode} failed ({}):\n{stdout}{}", out.status, String::from_utf8_lossy(&out.stderr));
     stdout.lines().map(str::to_owned).collect()
@@ -72,7 +80,7 @@ fn a_c_program_appends_and_attends_through_libkvmm_and_bad_input_gets_a_status_a
     let dir = tempfile::tempdir().unwrap();
     let program = compile(dir.path());
     let daemon = Daemon::start(&[]);
-    let mut child = Command::new(&program)
+    let mut child = program_command(&program)
         .args(["session", "-"])
         .env("KVMM_SOCKET", daemon.socket())
         .stdin(Stdio::piped())
@@ -170,7 +178,7 @@ fn the_headers_structs_have_the_librarys_layout() {
     use std::mem::{offset_of, size_of};
     let dir = tempfile::tempdir().unwrap();
     let program = compile(dir.path());
-    let out = Command::new(&program).args(["layout", "-"]).output().unwrap();
+    let out = program_command(&program).args(["layout", "-"]).output().unwrap();
     assert!(out.status.success());
     let c = String::from_utf8(out.stdout).unwrap();
     let rust = [

@@ -3,8 +3,9 @@
 //! the service's exposure at 2.0 or below; sysusers creates the user and groups the units name; the
 //! installed `/etc/kvmm/kvmmd.toml` is the example with `admin_group` turned on, and the example
 //! documents exactly the keys kvmmd's configuration structs accept; uninstall removes every file but
-//! the operator's configuration (and that too with `--purge`), both actions run twice harmlessly, and
-//! `--prefix`/`--sysconfdir` move the paths the units name.
+//! the operator's configuration (and that too with `--purge`), both actions run twice harmlessly,
+//! `--prefix`/`--sysconfdir` move the paths the units name, and the installed C API (library,
+//! header, `kvmm.pc`) builds and runs a C client through `pkg-config`.
 //!
 //! Nothing here touches the host's systemd: every run stages into a temporary directory. The checks
 //! that need `systemd-analyze` skip, with a message, where it is not installed.
@@ -16,7 +17,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use kvmm_tests::workspace_bin;
+use kvmm_tests::{profile_dir, workspace_bin};
 
 /// The most `systemd-analyze security` may rate kvmmd.service (0 is best, 10 worst).
 const MAX_EXPOSURE: f64 = 2.0;
@@ -61,13 +62,20 @@ fn install_sh(args: &[&str]) -> Run {
     run(Command::new("bash").arg(repo().join("systemd/install.sh")).args(args).env_remove("KVMM_BIN_DIR"))
 }
 
-/// A directory holding `kvmmd` and `kvmmctl` as install.sh's `--bindir-from` wants them.
+/// The C API's library cargo built for this package.
+fn libkvmm() -> PathBuf {
+    profile_dir().join("deps").join("libkvmm.so")
+}
+
+/// A directory holding `kvmmd`, `kvmmctl` and `libkvmm.so` as install.sh's `--bindir-from` wants
+/// them.
 fn bin_dir(real: bool) -> tempfile::TempDir {
     let dir = tempfile::Builder::new().prefix("kvmm-bin-").tempdir().unwrap();
-    for name in ["kvmmd", "kvmmctl"] {
+    for name in ["kvmmd", "kvmmctl", "libkvmm.so"] {
         let path = dir.path().join(name);
         if real {
-            std::os::unix::fs::symlink(workspace_bin(name), &path).unwrap();
+            let built = if name == "libkvmm.so" { libkvmm() } else { workspace_bin(name) };
+            std::os::unix::fs::symlink(built, &path).unwrap();
         } else {
             // Enough for verify (it checks that ExecStart names an executable) and for uninstall.
             std::fs::write(&path, "#!/bin/sh\nexit 0\n").unwrap();
@@ -372,6 +380,9 @@ fn uninstall_leaves_only_the_config_until_purge_and_reinstall_keeps_an_edited_co
         [
             ("usr/bin/kvmmd", 0o755),
             ("usr/bin/kvmmctl", 0o755),
+            ("usr/lib/libkvmm.so", 0o755),
+            ("usr/include/kvmm.h", 0o644),
+            ("usr/lib/pkgconfig/kvmm.pc", 0o644),
             ("usr/lib/systemd/system/kvmmd.service", 0o644),
             ("usr/lib/systemd/system/kvmmd.socket", 0o644),
             ("usr/lib/systemd/system/kvmmd-fd.socket", 0o644),
@@ -445,4 +456,54 @@ fn prefix_and_sysconfdir_move_every_path_the_units_name() {
     uninstall_from(root.path(), &["--prefix", "/usr/local", "--sysconfdir", "/etc/opt"]);
     let left: BTreeSet<String> = files(root.path()).into_keys().filter(|f| f.starts_with("usr/local")).collect();
     assert!(left.is_empty(), "uninstall left {left:?}");
+}
+
+#[test]
+fn the_installed_c_api_builds_a_client_through_pkg_config() {
+    let root = tempfile::Builder::new().prefix("kvmm-destdir-").tempdir().unwrap();
+    let out = install_into(root.path(), bin_dir(true).path(), &["--systemd-version", "254"]);
+    assert!(out.stdout.contains("installed the C API"), "{}", out.stdout);
+    let usr = root.path().join("usr");
+    assert_eq!(std::fs::read(usr.join("lib/libkvmm.so")).unwrap(), std::fs::read(libkvmm()).unwrap());
+    assert_eq!(
+        std::fs::read(usr.join("include/kvmm.h")).unwrap(),
+        std::fs::read(repo().join("capi/include/kvmm.h")).unwrap()
+    );
+    let pc = std::fs::read_to_string(usr.join("lib/pkgconfig/kvmm.pc")).unwrap();
+    let version = format!("Version: {}\n", env!("CARGO_PKG_VERSION"));
+    for line in ["prefix=/usr\n", "Libs: -L${libdir} -lkvmm\n", "Cflags: -I${includedir}\n", version.as_str()] {
+        assert!(pc.contains(line), "kvmm.pc lacks {line:?}:\n{pc}");
+    }
+
+    let found = Command::new("pkg-config").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !found {
+        println!(
+            "SKIPPED the build through pkg-config: pkg-config is not installed (Debian: apt-get install pkg-config)"
+        );
+        return;
+    }
+    // What a packager's build sees with the staged tree as its sysroot.
+    let flags = run(Command::new("pkg-config")
+        .args(["--cflags", "--libs", "kvmm"])
+        .env("PKG_CONFIG_SYSROOT_DIR", root.path())
+        .env("PKG_CONFIG_LIBDIR", usr.join("lib/pkgconfig")))
+    .ok("pkg-config --cflags --libs kvmm");
+    let flags: Vec<&str> = flags.stdout.split_whitespace().collect();
+    assert!(flags.contains(&"-lkvmm"), "{flags:?}");
+    let program = root.path().join("kvmm-c-client");
+    run(Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pthread"])
+        .arg(repo().join("tests/c/session.c"))
+        .args(&flags)
+        .arg(format!("-Wl,-rpath,{}", usr.join("lib").display()))
+        .args(["-lm", "-o"])
+        .arg(&program))
+    .ok("cc with pkg-config's flags");
+    // It runs with the installed library (through its run path: cargo's LD_LIBRARY_PATH, which
+    // names the build's copy, removed), and the struct layouts it prints are the header's.
+    let out =
+        run(Command::new(&program).args(["layout", "-"]).env_remove("LD_LIBRARY_PATH")).ok("the installed client");
+    assert!(out.stdout.starts_with("kvmm_geometry size 28\n"), "{}", out.stdout);
+    let ldd = run(Command::new("ldd").arg(&program).env_remove("LD_LIBRARY_PATH")).ok("ldd");
+    assert!(ldd.stdout.contains(&format!("{}", usr.join("lib/libkvmm.so").display())), "{}", ldd.stdout);
 }
