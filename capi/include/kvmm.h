@@ -188,6 +188,16 @@ int kvmm_append(kvmm_session *session, uint32_t layer, const float *k, const flo
  * q and out hold q_heads * head_dim floats. */
 int kvmm_attention(kvmm_session *session, uint32_t layer, const float *q, float *out);
 
+/* The attention mass of each page the last kvmm_attention read (in block order; it sums to 1, and
+ * pages the page budget left out have 0): writes at most capacity values to mass (which may be NULL
+ * when capacity is 0) and the page count to *count. Before any attention the count is 0. */
+int kvmm_last_mass(const kvmm_session *session, float *mass, size_t capacity, size_t *count);
+
+/* The blocks of a layer that eviction dropped (kvmm_attach_options.evict), ascending: writes at most
+ * capacity of them to blocks (which may be NULL when capacity is 0) and their total to *count. */
+int kvmm_dropped_blocks(const kvmm_session *session, uint32_t layer, uint32_t *blocks, size_t capacity,
+                        size_t *count);
+
 /* Sets the softmax scale (default 1 / sqrt(head_dim)); it must be finite and positive. */
 int kvmm_set_scale(kvmm_session *session, float scale);
 
@@ -203,6 +213,11 @@ int kvmm_prefetch(kvmm_session *session, uint32_t first_layer, uint32_t end_laye
 
 /* kvmmd's statistics of the session. */
 int kvmm_stats(const kvmm_session *session, kvmm_session_stats *stats);
+
+/* Wipes the session now: kvmmd zeroes every frame, punches its flash slots out and destroys its key.
+ * wiped_bytes (may be NULL) gets the bytes wiped in the device, DRAM and flash tiers. Later calls on
+ * the session fail with KVMM_FAILED_PRECONDITION; free it with kvmm_session_free. */
+int kvmm_wipe(kvmm_session *session, uint64_t wiped_bytes[3]);
 
 /* Ends the session and frees its handle, whatever the outcome; kvmmd wipes its pages.
  * *wiped_bytes (may be NULL) gets the bytes wiped. */

@@ -127,6 +127,10 @@ def _library():
         "kvmm_prefetch": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32,
                                          ctypes.c_uint32, p(ctypes.c_uint32), p(ctypes.c_uint32)]),
         "kvmm_stats": (ctypes.c_int, [ctypes.c_void_p, p(_SessionStats)]),
+        "kvmm_last_mass": (ctypes.c_int, [ctypes.c_void_p, _FLOATS, ctypes.c_size_t, p(ctypes.c_size_t)]),
+        "kvmm_dropped_blocks": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint32, p(ctypes.c_uint32), ctypes.c_size_t,
+                                               p(ctypes.c_size_t)]),
+        "kvmm_wipe": (ctypes.c_int, [ctypes.c_void_p, p(ctypes.c_uint64)]),
         "kvmm_detach": (ctypes.c_int, [ctypes.c_void_p, p(ctypes.c_uint64)]),
         "kvmm_session_free": (None, [ctypes.c_void_p]),
     }
@@ -318,6 +322,33 @@ class Session:
         s = _SessionStats()
         _check(self._lib.kvmm_stats(self._live(), ctypes.byref(s)))
         return {name: getattr(s, name) for name, _ in _SessionStats._fields_ if name != "reserved"}
+
+    def last_mass(self):
+        """The attention mass of each page the last attention() read, in block order (an array('f'))."""
+        count = ctypes.c_size_t()
+        _check(self._lib.kvmm_last_mass(self._live(), None, 0, ctypes.byref(count)))
+        mass = array.array("f", bytes(4 * count.value))
+        if count.value:
+            holder = (ctypes.c_float * count.value).from_buffer(mass)
+            _check(self._lib.kvmm_last_mass(self._live(), ctypes.cast(holder, _FLOATS), count.value,
+                                            ctypes.byref(count)))
+            del holder
+        return mass
+
+    def dropped_blocks(self, layer):
+        """The blocks of a layer that eviction dropped, ascending."""
+        count = ctypes.c_size_t()
+        _check(self._lib.kvmm_dropped_blocks(self._live(), layer, None, 0, ctypes.byref(count)))
+        blocks = (ctypes.c_uint32 * max(count.value, 1))()
+        _check(self._lib.kvmm_dropped_blocks(self._live(), layer, blocks, count.value, ctypes.byref(count)))
+        return list(blocks[:count.value])
+
+    def wipe(self):
+        """Wipes the session now (every tier; its key destroyed); returns the bytes wiped per tier as
+        (device, dram, flash). Later calls raise kvmm.Error (FAILED_PRECONDITION)."""
+        wiped = (ctypes.c_uint64 * 3)()
+        _check(self._lib.kvmm_wipe(self._live(), wiped))
+        return tuple(wiped)
 
     def detach(self):
         """Ends the session (kvmmd wipes its pages); returns the bytes wiped."""

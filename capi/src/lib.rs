@@ -429,9 +429,7 @@ pub unsafe extern "C" fn kvmm_orphans(
 ) -> c_int {
     call("kvmm_orphans", || {
         let count = output(count, "count")?;
-        if orphans.is_null() && capacity > 0 {
-            return Err(invalid(format!("`orphans` is NULL with a capacity of {capacity}")));
-        }
+        list(orphans, capacity, "orphans")?;
         // SAFETY: per this function's contract.
         let (client, model_id) = unsafe { (required(client, "client")?, text(model_id, "model_id")?) };
         let listed = client.client.orphans(model_id)?;
@@ -558,6 +556,101 @@ pub unsafe extern "C" fn kvmm_attention(session: *mut KvmmSession, layer: u32, q
         // SAFETY: `n` writable floats that do not overlap `q`, per the contract.
         let out = unsafe { std::slice::from_raw_parts_mut(out, n) };
         Ok(s.session.attention(layer, q, out)?)
+    })
+}
+
+/// Writes up to `capacity` of `values` to `out` and their number to `count`.
+///
+/// # Safety
+///
+/// `out` valid for writing `capacity` values (or NULL with `capacity` 0); `count` checked non-NULL
+/// and writable.
+unsafe fn write_list<T: Copy>(values: &[T], out: *mut T, capacity: usize, count: *mut usize) {
+    let n = values.len().min(capacity);
+    if n > 0 {
+        // SAFETY: `n ≤ capacity` values are writable at `out`, per the contract; `values` is
+        // this library's memory, so the two do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), out, n) };
+    }
+    // SAFETY: per the contract.
+    unsafe { count.write(values.len()) };
+}
+
+/// Rejects a NULL list with a nonzero capacity.
+fn list<T>(out: *mut T, capacity: usize, what: &str) -> Result<(), Failure> {
+    if out.is_null() && capacity > 0 {
+        return Err(invalid(format!("`{what}` is NULL with a capacity of {capacity}")));
+    }
+    Ok(())
+}
+
+/// See `kvmm.h`.
+///
+/// # Safety
+///
+/// `session` is NULL or a live handle; `mass` valid for writing `capacity` floats (or NULL with
+/// `capacity` 0); `count` NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmm_last_mass(
+    session: *const KvmmSession,
+    mass: *mut f32,
+    capacity: usize,
+    count: *mut usize,
+) -> c_int {
+    call("kvmm_last_mass", || {
+        let count = output(count, "count")?;
+        list(mass, capacity, "mass")?;
+        // SAFETY: per this function's contract.
+        let s = unsafe { required(session, "session") }?;
+        // SAFETY: as above.
+        unsafe { write_list(s.session.last_mass(), mass, capacity, count) };
+        Ok(())
+    })
+}
+
+/// See `kvmm.h`.
+///
+/// # Safety
+///
+/// `session` is NULL or a live handle; `blocks` valid for writing `capacity` values (or NULL with
+/// `capacity` 0); `count` NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmm_dropped_blocks(
+    session: *const KvmmSession,
+    layer: u32,
+    blocks: *mut u32,
+    capacity: usize,
+    count: *mut usize,
+) -> c_int {
+    call("kvmm_dropped_blocks", || {
+        let count = output(count, "count")?;
+        list(blocks, capacity, "blocks")?;
+        // SAFETY: per this function's contract.
+        let s = unsafe { required(session, "session") }?;
+        let dropped = s.session.dropped_blocks(layer)?;
+        // SAFETY: as above.
+        unsafe { write_list(&dropped, blocks, capacity, count) };
+        Ok(())
+    })
+}
+
+/// See `kvmm.h`.
+///
+/// # Safety
+///
+/// `session` is NULL or a live handle no other thread uses; `wiped_bytes` NULL or writable for 3
+/// values.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmm_wipe(session: *mut KvmmSession, wiped_bytes: *mut u64) -> c_int {
+    call("kvmm_wipe", || {
+        // SAFETY: per this function's contract.
+        let s = unsafe { required_mut(session, "session") }?;
+        let wiped = s.session.wipe()?;
+        if !wiped_bytes.is_null() {
+            // SAFETY: 3 writable values per the contract.
+            unsafe { std::ptr::copy_nonoverlapping(wiped.as_ptr(), wiped_bytes, 3) };
+        }
+        Ok(())
     })
 }
 

@@ -408,6 +408,8 @@ impl Session {
             kvmm_shm::TableStatus::Revoked => {
                 "revoked by kvmmd because one of its pages stayed pinned past the daemon's pin lease"
             }
+            // Only `wipe` leaves a session this process still holds marked detached.
+            _ if self.detached => "wiped by this process",
             _ => "wiped by an administrator",
         };
         Error::FailedPrecondition(format!("session {} was {by}; its data is gone: attach a new session", self.id))

@@ -194,6 +194,70 @@ static void *work(void *arg) {
     return NULL;
 }
 
+static layer_kv kept;
+
+/* A session over a quota with eviction: attention over exactly the pages kvmmd kept. */
+static int evicting(kvmm_client *client) {
+    enum { TOKENS = 400, QUOTA = 224 };
+    kvmm_geometry g = geometry();
+    kvmm_attach_options options;
+    memset(&options, 0, sizeof options);
+    options.model_id = "c-evict";
+    options.quota_tokens = QUOTA;
+    options.evict = 1;
+    kvmm_session *s = NULL;
+    CHECK(kvmm_attach(client, &g, &options, &s));
+    static layer_kv all;
+    fill(&all, TOKENS, 77);
+    /* Every layer in step, as a model appends: kvmmd extends all layers together, so one layer
+     * appended far ahead of the others finds no page it may drop. */
+    for (size_t t = 0; t < TOKENS; t += 40) {
+        for (uint32_t layer = 0; layer < LAYERS; layer++) {
+            CHECK(kvmm_append(s, layer, all.k + t * ROW, all.v + t * ROW, 40));
+        }
+    }
+    uint32_t dropped[16];
+    size_t count = 0;
+    CHECK(kvmm_dropped_blocks(s, 1, dropped, 16, &count));
+    /* The reference over the tokens of the blocks kept. */
+    kept.tokens = 0;
+    for (size_t t = 0; t < TOKENS; t++) {
+        int gone = 0;
+        for (size_t i = 0; i < count && i < 16; i++) {
+            gone |= dropped[i] == t / 32;
+        }
+        if (!gone) {
+            memcpy(kept.k + kept.tokens * ROW, all.k + t * ROW, ROW * sizeof(float));
+            memcpy(kept.v + kept.tokens * ROW, all.v + t * ROW, ROW * sizeof(float));
+            kept.tokens++;
+        }
+    }
+    float q[QROW], out[QROW];
+    query(q, 9);
+    CHECK(kvmm_attention(s, 1, q, out));
+    printf("evicted dropped %zu first %u kept %zu worst %.3g\n", count, count ? dropped[0] : 0, kept.tokens,
+           check_attention(&kept, q, out));
+    CHECK(kvmm_detach(s, NULL));
+    return 0;
+}
+
+/* A session this process wipes: its bytes gone from every tier, and every later call refused. */
+static int wiping(kvmm_client *client) {
+    kvmm_geometry g = geometry();
+    kvmm_session *s = NULL;
+    CHECK(kvmm_attach(client, &g, NULL, &s));
+    static layer_kv few;
+    fill(&few, 10, 5);
+    CHECK(kvmm_append(s, 0, few.k, few.v, 10));
+    uint64_t wiped[3] = {0, 0, 0};
+    CHECK(kvmm_wipe(s, wiped));
+    printf("wiped device %llu dram %llu flash %llu\n", (unsigned long long)wiped[0], (unsigned long long)wiped[1],
+           (unsigned long long)wiped[2]);
+    refused("kvmm_append", kvmm_append(s, 0, few.k, few.v, 1), KVMM_FAILED_PRECONDITION);
+    kvmm_session_free(s);
+    return 0;
+}
+
 static int session_mode(const char *socket) {
     /* The socket comes through $KVMM_SOCKET, for kvmm_connect(NULL). */
     (void)socket;
@@ -238,6 +302,16 @@ static int session_mode(const char *socket) {
     }
     printf("attention worst %.3g\n", worst);
 
+    /* The last call read layer 1's 4 pages; their mass sums to 1. */
+    float mass[8];
+    size_t pages = 0;
+    CHECK(kvmm_last_mass(s, mass, 8, &pages));
+    double total = 0.0;
+    for (size_t p = 0; p < pages && p < 8; p++) {
+        total += mass[p];
+    }
+    printf("mass pages %zu sum %.6f\n", pages, total);
+
     refused("kvmm_append", kvmm_append(s, LAYERS, kvs[0].k, kvs[0].v, 1), KVMM_INVALID_ARGUMENT);
     refused("kvmm_append", kvmm_append(s, 0, kvs[0].k, NULL, 1), KVMM_INVALID_ARGUMENT);
     refused("kvmm_append", kvmm_append(s, 0, kvs[0].k, kvs[0].v, 0), KVMM_INVALID_ARGUMENT);
@@ -251,6 +325,11 @@ static int session_mode(const char *socket) {
     refused("kvmm_resume", kvmm_resume(client, 999999, NULL, &other), KVMM_NOT_FOUND);
     size_t count = 0;
     refused("kvmm_orphans", kvmm_orphans(client, NULL, NULL, 1, &count), KVMM_INVALID_ARGUMENT);
+    refused("kvmm_last_mass", kvmm_last_mass(s, NULL, 4, &count), KVMM_INVALID_ARGUMENT);
+    kvmm_attach_options evict_only;
+    memset(&evict_only, 0, sizeof evict_only);
+    evict_only.evict = 1;
+    refused("kvmm_attach", kvmm_attach(client, &g, &evict_only, &other), KVMM_INVALID_ARGUMENT);
 
     /* A page budget covering the layer is exact; one of 3 of its 4 pages still answers. */
     CHECK(kvmm_set_page_budget(s, 4));
@@ -268,6 +347,10 @@ static int session_mode(const char *socket) {
     CHECK(kvmm_stats(s, &stats));
     printf("stats tokens %llu device_pages %u device_bytes %llu resident %u\n", (unsigned long long)stats.tokens,
            stats.device_pages, (unsigned long long)stats.device_bytes, resident);
+
+    if (evicting(client) != 0 || wiping(client) != 0) {
+        return 1;
+    }
 
     worker workers[2] = {{client, 0, 0.0, -1}, {client, 1, 0.0, -1}};
     pthread_t threads[2];

@@ -107,10 +107,17 @@ def session_mode(socket):
         raise AssertionError("a float64 buffer was accepted")
     except TypeError as e:
         result["type_error"] = str(e)
+    mass = session.last_mass()
+    result["mass"] = [len(mass), sum(mass)]
+    result["dropped"] = session.dropped_blocks(0)
     result["resident"] = session.prefetch(range(0, LAYERS), range(0, 3))[0]
     stats = session.stats()
     result["stats"] = {"tokens": stats["tokens"], "device_pages": stats["device_pages"]}
     result["wiped"] = session.detach()
+    other = client.attach(LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, MAX_TOKENS)
+    other.append(0, values(ROW, 3), values(ROW, 4))
+    result["wiped_tiers"] = other.wipe()
+    result["after_wipe"] = refused(lambda: other.append(0, values(ROW, 3), values(ROW, 4)), "FAILED_PRECONDITION")
     result["detached"] = refused(lambda: session.tokens(0), "FAILED_PRECONDITION")
     client.close()
     print(json.dumps(result))

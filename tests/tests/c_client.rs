@@ -116,10 +116,21 @@ fn a_c_program_appends_and_attends_through_libkvmm_and_bad_input_gets_a_status_a
     println!("{output}");
 
     // Values f16 holds exactly, so the reference sees what the pages hold: float rounding only.
-    for prefix in ["attention worst", "budget of every page worst", "thread 0 worst", "thread 1 worst"] {
+    for prefix in ["attention worst", "budget of every page worst", "thread 0 worst", "thread 1 worst", "evicted "] {
         let worst = number_after(line(&lines, prefix), "worst");
         assert!(worst < 1e-5, "{prefix}: relative error {worst}");
     }
+    let mass = line(&lines, "mass pages ");
+    assert_eq!(number_after(mass, "pages"), 4.0, "{mass}");
+    assert!((number_after(mass, "sum") - 1.0).abs() < 1e-5, "{mass}");
+    // 400 tokens (13 pages) a layer under a quota of 224 tokens (7 pages): 6 pages dropped, never
+    // the first (the sink) or the last 128 tokens, and attention read exactly the rest.
+    let evicted = line(&lines, "evicted ");
+    assert_eq!(number_after(evicted, "dropped"), 6.0, "{evicted}");
+    assert!(number_after(evicted, "first") >= 1.0, "the sink page was dropped: {evicted}");
+    assert_eq!(number_after(evicted, "kept"), 400.0 - 6.0 * 32.0, "{evicted}");
+    let wiped = line(&lines, "wiped ");
+    assert!(number_after(wiped, "device") > 0.0, "{wiped}");
     let stats = line(&lines, "stats ");
     assert_eq!(number_after(stats, "tokens"), 100.0, "{stats}");
     assert_eq!(number_after(stats, "device_pages"), 8.0, "2 layers × 4 pages: {stats}");
@@ -141,6 +152,9 @@ fn a_c_program_appends_and_attends_through_libkvmm_and_bad_input_gets_a_status_a
         ("kvmm_prefetch INVALID_ARGUMENT", "empty range: layers 1..1"),
         ("kvmm_resume NOT_FOUND", "session 999999 does not exist"),
         ("kvmm_orphans INVALID_ARGUMENT", "`orphans` is NULL with a capacity of 1"),
+        ("kvmm_last_mass INVALID_ARGUMENT", "`mass` is NULL with a capacity of 4"),
+        ("kvmm_attach INVALID_ARGUMENT", "eviction drops pages only over a quota: set quota_tokens as well as evict"),
+        ("kvmm_append FAILED_PRECONDITION", "was wiped by this process; its data is gone: attach a new session"),
     ];
     let refusals: Vec<&String> = lines.iter().filter(|l| l.starts_with("refused ")).collect();
     assert_eq!(refusals.len(), expected.len(), "{output}");

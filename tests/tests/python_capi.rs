@@ -59,6 +59,11 @@ fn a_python_process_appends_and_attends_through_libkvmm_and_bad_input_raises_its
     assert_eq!(r["stats"]["device_pages"], 8, "2 layers × 4 pages");
     assert_eq!(r["resident"], 6);
     assert!(r["wiped"].as_u64().unwrap() > 0);
+    // Layer 1 was attended last: its 3 pages' mass sums to 1; no eviction, so nothing dropped.
+    assert_eq!(r["mass"][0], 3);
+    assert!((r["mass"][1].as_f64().unwrap() - 1.0).abs() < 1e-5, "{}", r["mass"]);
+    assert_eq!(r["dropped"], serde_json::json!([]));
+    assert!(r["wiped_tiers"][0].as_u64().unwrap() > 0, "{}", r["wiped_tiers"]);
     let says = |key: &str, text: &str| {
         let message = r[key].as_str().unwrap();
         assert!(message.contains(text), "{key}: {message:?} should say {text:?}");
@@ -68,6 +73,7 @@ fn a_python_process_appends_and_attends_through_libkvmm_and_bad_input_raises_its
     says("budget", "kvmm_set_page_budget: a page budget of 2 is too small");
     says("unknown", "kvmm_resume: kvmmd: session 987654 does not exist");
     says("detached", "was detached; attach a new one");
+    says("after_wipe", "was wiped by this process; its data is gone");
     says("type_error", "k is a buffer of format 'd', not float32 ('f')");
     let value_errors = r["value_errors"].as_array().unwrap();
     assert!(value_errors[0].as_str().unwrap().contains("kv_heads * head_dim = 192 floats"), "{value_errors:?}");
