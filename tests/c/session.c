@@ -397,6 +397,11 @@ static int leave_mode(const char *socket) {
         fill(&kvs[layer], 70, 10 + layer);
         append_all(s, layer, &kvs[layer]);
     }
+    /* A second one, which the next process discards rather than resumes. */
+    kvmm_session *spare = NULL;
+    options.model_id = "c-discard";
+    CHECK(kvmm_attach(client, &g, &options, &spare));
+    CHECK(kvmm_append(spare, 0, kvs[0].k, kvs[0].v, 3));
     float q[QROW], out[QROW];
     query(q, 5);
     CHECK(kvmm_attention(s, 1, q, out));
@@ -412,6 +417,16 @@ static int resume_mode(const char *socket) {
     CHECK(kvmm_connect(socket, &client));
     kvmm_orphan orphans[4];
     size_t count = 0;
+    /* Both sessions the last process left; the one of model c-discard goes without a resume. */
+    CHECK(kvmm_orphans(client, NULL, orphans, 1, &count));
+    if (count != 2) {
+        printf("FAIL %zu orphans, not 2\n", count);
+        return 1;
+    }
+    CHECK(kvmm_orphans(client, "c-discard", orphans, 4, &count));
+    uint64_t wiped = 0;
+    CHECK(kvmm_discard(client, orphans[0].session_id, &wiped));
+    printf("discarded %llu bytes %llu\n", (unsigned long long)orphans[0].session_id, (unsigned long long)wiped);
     CHECK(kvmm_orphans(client, "c-linger", orphans, 4, &count));
     if (count != 1 || orphans[0].tokens != 70 || orphans[0].geometry.head_dim != HEAD_DIM) {
         printf("FAIL %zu orphans of c-linger, the first with %llu tokens\n", count,

@@ -178,6 +178,8 @@ fn a_c_process_that_dies_leaves_a_lingering_session_that_another_finds_and_resum
     let (id, checksum) = (words[1], words[2]);
 
     let resumed = run(&program, "resume", &daemon.socket());
+    // The other session it left (of another model) is discarded, its bytes wiped.
+    assert!(number_after(line(&resumed, "discarded "), "bytes") > 0.0, "{resumed:?}");
     let refusal = line(&resumed, "refused ");
     assert!(refusal.starts_with("refused kvmm_resume FAILED_PRECONDITION: "), "{refusal}");
     assert!(refusal.contains("it was attached for another model; it is left as it was"), "{refusal}");
@@ -238,4 +240,26 @@ fn the_headers_structs_have_the_librarys_layout() {
     for (line, (what, rust)) in c.iter().zip(rust) {
         assert_eq!(*line, format!("{what} {rust}"), "C and Rust disagree on {what}");
     }
+}
+
+#[test]
+fn the_library_exports_every_function_the_header_declares() {
+    let header = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../capi/include/kvmm.h")).unwrap();
+    // Declarations start a line: a return type, then `kvmm_name(`.
+    let declared: std::collections::BTreeSet<String> = header
+        .lines()
+        .filter(|l| !l.starts_with([' ', '#', '/', '}']) && !l.starts_with("typedef"))
+        .filter_map(|l| l.split('(').next()?.split_whitespace().last().map(|n| n.trim_start_matches('*').to_owned()))
+        .filter(|n| n.starts_with("kvmm_"))
+        .collect();
+    assert!(declared.len() >= 20, "{declared:?}");
+    let library = profile_dir().join("deps/libkvmm.so");
+    let out = Command::new("nm").args(["-D", "--defined-only"]).arg(&library).output().unwrap();
+    assert!(out.status.success(), "nm: {}", String::from_utf8_lossy(&out.stderr));
+    let exported: std::collections::BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2).map(str::to_owned))
+        .filter(|n| n.starts_with("kvmm_"))
+        .collect();
+    assert_eq!(declared, exported, "the header and the library's exported symbols differ");
 }
