@@ -178,6 +178,16 @@ fn output<T>(p: *mut T, what: &str) -> Result<*mut T, Failure> {
     if p.is_null() { Err(invalid(format!("`{what}` is NULL: pass where to write the result"))) } else { Ok(p) }
 }
 
+/// Hands `value` to the caller as a new handle at `out` (freed by the matching `_free` or detach).
+///
+/// # Safety
+///
+/// `out` is non-NULL and writable.
+unsafe fn hand_out<T>(out: *mut *mut T, value: T) {
+    // SAFETY: per the contract.
+    unsafe { out.write(Box::into_raw(Box::new(value))) };
+}
+
 /// Writes `value` to an output pointer that may be NULL.
 ///
 /// # Safety
@@ -335,7 +345,7 @@ pub unsafe extern "C" fn kvmm_connect(socket_path: *const c_char, client: *mut *
         let path = unsafe { text(socket_path, "socket_path") }?.map(std::path::PathBuf::from);
         let connected = Client::connect(path.unwrap_or_else(kvmm_client::default_socket))?;
         // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { client.write(Box::into_raw(Box::new(KvmmClient { client: connected }))) };
+        unsafe { hand_out(client, KvmmClient { client: connected }) };
         Ok(())
     })
 }
@@ -378,7 +388,7 @@ pub unsafe extern "C" fn kvmm_attach(
         };
         let attached = client.client.attach_with(self::geometry(g)?, options)?;
         // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { session.write(Box::into_raw(Box::new(KvmmSession { session: attached }))) };
+        unsafe { hand_out(session, KvmmSession { session: attached }) };
         Ok(())
     })
 }
@@ -408,7 +418,7 @@ pub unsafe extern "C" fn kvmm_resume(
         });
         let resumed = client.client.resume(session_id, shape)?;
         // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { session.write(Box::into_raw(Box::new(KvmmSession { session: resumed }))) };
+        unsafe { hand_out(session, KvmmSession { session: resumed }) };
         Ok(())
     })
 }

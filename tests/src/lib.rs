@@ -34,11 +34,23 @@ pub fn workspace_bin(name: &str) -> PathBuf {
     bin
 }
 
-/// The target directory this test was built into, `target/<profile>/`: integration tests and
-/// the C API's `libkvmm.so` live in its `deps/`, the workspace's binaries in it.
-pub fn profile_dir() -> PathBuf {
+/// The target directory this test was built into, `target/<profile>/`: integration tests live in
+/// its `deps/`, the workspace's binaries in it.
+fn profile_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
     exe.parent().and_then(Path::parent).expect("target/<profile>").to_owned()
+}
+
+/// The C API's `libkvmm.so` that cargo built for this package: kvmm-capi is a dependency of
+/// kvmm-tests, so its cdylib lands in `deps/` beside the integration tests.
+pub fn libkvmm() -> PathBuf {
+    let library = profile_dir().join("deps").join("libkvmm.so");
+    assert!(
+        library.exists(),
+        "{} does not exist: run the tests with `cargo test --workspace`, which builds it",
+        library.display()
+    );
+    library
 }
 
 /// Path of the kvmmd binary.

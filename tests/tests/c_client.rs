@@ -13,29 +13,32 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use kvmm_proto::v1::{ListSessionsRequest, Priority};
-use kvmm_tests::{Daemon, profile_dir, wait_timeout};
+use kvmm_tests::{Daemon, libkvmm, wait_timeout};
 
-/// Compiles `tests/c/session.c` into `dir` and returns the program.
-fn compile(dir: &Path) -> PathBuf {
-    // Cargo builds kvmm-capi's cdylib as a dependency of this package, into `deps/`.
-    let lib_dir = profile_dir().join("deps");
-    assert!(
-        lib_dir.join("libkvmm.so").exists(),
-        "{} has no libkvmm.so: run the tests with `cargo test --workspace`, which builds it",
-        lib_dir.display()
-    );
+/// `tests/c/session.c`, compiled once per test binary beside the library it links (a build output
+/// like the library; the tests of this file share it).
+fn program() -> &'static Path {
+    static PROGRAM: OnceLock<PathBuf> = OnceLock::new();
+    PROGRAM.get_or_init(compile)
+}
+
+/// Compiles `tests/c/session.c` into the library's directory and returns the program.
+fn compile() -> PathBuf {
+    let library = libkvmm();
+    let lib_dir = library.parent().expect("the library's directory");
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace root");
-    let program = dir.join("kvmm-c-client");
+    let program = lib_dir.join("kvmm-c-client");
     let cc = std::env::var_os("CC").unwrap_or_else(|| "cc".into());
     let out = Command::new(&cc)
         .args(["-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", "-I"])
         .arg(root.join("capi/include"))
         .arg(root.join("tests/c/session.c"))
         .arg("-L")
-        .arg(&lib_dir)
+        .arg(lib_dir)
         .arg("-lkvmm")
         .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
         .args(["-lm", "-o"])
@@ -77,10 +80,9 @@ fn number_after(line: &str, label: &str) -> f64 {
 
 #[test]
 fn a_c_program_appends_and_attends_through_libkvmm_and_bad_input_gets_a_status_and_a_sentence() {
-    let dir = tempfile::tempdir().unwrap();
-    let program = compile(dir.path());
+    let program = program();
     let daemon = Daemon::start(&[]);
-    let mut child = program_command(&program)
+    let mut child = program_command(program)
         .args(["session", "-"])
         .env("KVMM_SOCKET", daemon.socket())
         .stdin(Stdio::piped())
@@ -168,16 +170,15 @@ fn a_c_program_appends_and_attends_through_libkvmm_and_bad_input_gets_a_status_a
 
 #[test]
 fn a_c_process_that_dies_leaves_a_lingering_session_that_another_finds_and_resumes() {
-    let dir = tempfile::tempdir().unwrap();
-    let program = compile(dir.path());
+    let program = program();
     let daemon = Daemon::start(&[]);
-    let left = run(&program, "leave", &daemon.socket());
+    let left = run(program, "leave", &daemon.socket());
     let left = line(&left, "left ");
     assert!(number_after(left, "worst") < 1e-5, "{left}");
     let words: Vec<&str> = left.split_whitespace().collect();
     let (id, checksum) = (words[1], words[2]);
 
-    let resumed = run(&program, "resume", &daemon.socket());
+    let resumed = run(program, "resume", &daemon.socket());
     // The other session it left (of another model) is discarded, its bytes wiped.
     assert!(number_after(line(&resumed, "discarded "), "bytes") > 0.0, "{resumed:?}");
     let refusal = line(&resumed, "refused ");
@@ -192,9 +193,8 @@ fn a_c_process_that_dies_leaves_a_lingering_session_that_another_finds_and_resum
 fn the_headers_structs_have_the_librarys_layout() {
     use kvmm::{CAttachOptions, CGeometry, COrphan, CSessionStats};
     use std::mem::{offset_of, size_of};
-    let dir = tempfile::tempdir().unwrap();
-    let program = compile(dir.path());
-    let out = program_command(&program).args(["layout", "-"]).output().unwrap();
+    let program = program();
+    let out = program_command(program).args(["layout", "-"]).output().unwrap();
     assert!(out.status.success());
     let c = String::from_utf8(out.stdout).unwrap();
     let rust = [
@@ -253,8 +253,7 @@ fn the_library_exports_every_function_the_header_declares() {
         .filter(|n| n.starts_with("kvmm_"))
         .collect();
     assert!(declared.len() >= 20, "{declared:?}");
-    let library = profile_dir().join("deps/libkvmm.so");
-    let out = Command::new("nm").args(["-D", "--defined-only"]).arg(&library).output().unwrap();
+    let out = Command::new("nm").args(["-D", "--defined-only"]).arg(libkvmm()).output().unwrap();
     assert!(out.status.success(), "nm: {}", String::from_utf8_lossy(&out.stderr));
     let exported: std::collections::BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
         .lines()

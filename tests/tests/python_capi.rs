@@ -9,11 +9,11 @@
 #![allow(clippy::unwrap_used)]
 
 use std::ffi::OsStr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use kvmm_proto::v1::{ListSessionsRequest, Priority};
-use kvmm_tests::{Daemon, profile_dir};
+use kvmm_tests::{Daemon, libkvmm};
 
 /// `python3`, or `None` after saying why the test skips.
 fn python() -> Option<&'static str> {
@@ -28,13 +28,11 @@ fn python() -> Option<&'static str> {
 /// (it must succeed): the JSON object it prints.
 fn run(python: &str, mode: &str, socket: &Path) -> serde_json::Value {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace root").to_owned();
-    let library: PathBuf = profile_dir().join("deps").join("libkvmm.so");
-    assert!(library.exists(), "{} is missing: run the tests with `cargo test --workspace`", library.display());
     let out = Command::new(python)
         .arg(root.join("tests/python/capi_session.py"))
         .args([OsStr::new(mode), socket.as_os_str()])
         .env("PYTHONPATH", root.join("capi/python"))
-        .env("KVMM_LIBRARY", &library)
+        .env("KVMM_LIBRARY", libkvmm())
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -17,7 +17,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use kvmm_tests::{profile_dir, workspace_bin};
+use kvmm_tests::{libkvmm, workspace_bin};
 
 /// The most `systemd-analyze security` may rate kvmmd.service (0 is best, 10 worst).
 const MAX_EXPOSURE: f64 = 2.0;
@@ -60,11 +60,6 @@ fn repo() -> PathBuf {
 /// Runs `systemd/install.sh` with `args`.
 fn install_sh(args: &[&str]) -> Run {
     run(Command::new("bash").arg(repo().join("systemd/install.sh")).args(args).env_remove("KVMM_BIN_DIR"))
-}
-
-/// The C API's library cargo built for this package.
-fn libkvmm() -> PathBuf {
-    profile_dir().join("deps").join("libkvmm.so")
 }
 
 /// A directory holding `kvmmd`, `kvmmctl` and `libkvmm.so` as install.sh's `--bindir-from` wants
