@@ -177,6 +177,8 @@ fn a_c_process_that_dies_leaves_a_lingering_session_that_another_finds_and_resum
     assert!(number_after(left, "worst") < 1e-5, "{left}");
     let words: Vec<&str> = left.split_whitespace().collect();
     let (id, checksum) = (words[1], words[2]);
+    // kvmmd orphans the two sessions once it has cleaned up the closed connection, after the exit.
+    daemon.wait_status(Duration::from_secs(10), |s| s.orphaned_sessions == 2);
 
     let resumed = run(program, "resume", &daemon.socket());
     // The other session it left (of another model) is discarded, its bytes wiped.

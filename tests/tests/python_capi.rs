@@ -11,6 +11,7 @@
 use std::ffi::OsStr;
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 use kvmm_proto::v1::{ListSessionsRequest, Priority};
 use kvmm_tests::{Daemon, libkvmm};
@@ -95,6 +96,8 @@ fn a_python_process_that_dies_leaves_a_lingering_session_that_another_resumes() 
         ("py-linger", Priority::Foreground, 45, 30000)
     );
 
+    // kvmmd orphans the session once it has cleaned up the closed connection, after the exit.
+    daemon.wait_status(Duration::from_secs(10), |s| s.orphaned_sessions == 1);
     let resumed = run(python, "resume", &daemon.socket());
     assert_eq!(resumed["id"], left["id"]);
     assert_eq!(resumed["tokens"], serde_json::json!([45, 45]));
