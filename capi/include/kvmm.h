@@ -45,8 +45,9 @@
 extern "C" {
 #endif
 
-/* The version of this API; kvmm_api_version() returns the library's. */
-#define KVMM_API_VERSION 1
+/* The version of this API; kvmm_api_version() returns the library's. Version 2 added
+ * kvmm_append16. */
+#define KVMM_API_VERSION 2
 
 /* Status codes: the gRPC codes. */
 typedef enum kvmm_status {
@@ -183,6 +184,14 @@ int kvmm_session_geometry(const kvmm_session *session, kvmm_geometry *geometry);
  * element type. On KVMM_RESOURCE_EXHAUSTED the tokens that fit stay appended
  * (kvmm_session_tokens says how many). */
 int kvmm_append(kvmm_session *session, uint32_t layer, const float *k, const float *v, size_t tokens);
+
+/* kvmm_append for an engine that keeps K/V in 16 bits: k and v hold tokens * kv_heads * head_dim
+ * 16-bit values of type `element` (a kvmm_element: the bits of IEEE half floats, or of bfloat16),
+ * token-major as for kvmm_append. Rows of the session's own element type are copied bit for bit;
+ * rows of the other type are rounded once to nearest even (bfloat16 past half's range becomes
+ * infinity). */
+int kvmm_append16(kvmm_session *session, uint32_t layer, uint32_t element, const uint16_t *k, const uint16_t *v,
+                  size_t tokens);
 
 /* Decode attention for one query token over every page of a layer (or the page budget's choice):
  * q and out hold q_heads * head_dim floats. */

@@ -8,7 +8,10 @@
     session.detach()
 
 K, V and queries are any sequence of floats or any buffer of float32 (array('f'), a contiguous
-numpy float32 array); buffers are read in place. A failed call raises kvmm.Error, whose `status`
+numpy float32 array); buffers are read in place. K and V may also be 16-bit: a float16 buffer
+(numpy float16) is appended as f16 without a round trip through float32, and
+append(layer, k, v, element="bf16") (or "f16") takes 16-bit patterns of that type (a uint16 or
+int16 buffer, such as a bfloat16 tensor viewed as int16, or a sequence of ints). A failed call raises kvmm.Error, whose `status`
 is the gRPC code number, `name` its name ("INVALID_ARGUMENT") and `message` the library's sentence.
 
 The library is found at $KVMM_LIBRARY, else by the system's search for libkvmm ("kvmm").
@@ -19,10 +22,11 @@ import array
 import ctypes
 import ctypes.util
 import os
+import sys
 
 __all__ = ["Client", "Session", "Error", "API_VERSION"]
 
-API_VERSION = 1
+API_VERSION = 2
 
 OK = 0
 ELEMENTS = {"f16": 0, "bf16": 1}
@@ -92,6 +96,7 @@ class _Orphan(ctypes.Structure):
 
 
 _FLOATS = ctypes.POINTER(ctypes.c_float)
+_HALVES = ctypes.POINTER(ctypes.c_uint16)
 _lib = None
 
 
@@ -121,6 +126,8 @@ def _library():
         "kvmm_session_tokens": (ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_uint32]),
         "kvmm_session_geometry": (ctypes.c_int, [ctypes.c_void_p, p(_Geometry)]),
         "kvmm_append": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint32, _FLOATS, _FLOATS, ctypes.c_size_t]),
+        "kvmm_append16": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, _HALVES, _HALVES,
+                                         ctypes.c_size_t]),
         "kvmm_attention": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint32, _FLOATS, _FLOATS]),
         "kvmm_set_scale": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_float]),
         "kvmm_set_page_budget": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]),
@@ -138,8 +145,8 @@ def _library():
         function = getattr(lib, name)
         function.restype = restype
         function.argtypes = argtypes
-    if lib.kvmm_api_version() != API_VERSION:
-        raise OSError(f"{path} has API version {lib.kvmm_api_version()}, this module needs {API_VERSION}")
+    if lib.kvmm_api_version() < API_VERSION:
+        raise OSError(f"{path} has API version {lib.kvmm_api_version()}, this module needs {API_VERSION} or later")
     _lib = lib
     return lib
 
@@ -150,35 +157,68 @@ def _check(status):
         raise Error(status, lib.kvmm_status_name(status).decode(), lib.kvmm_last_error().decode(errors="replace"))
 
 
-def _floats(values, what):
-    """(pointer, count, keep-alive) for a contiguous float32 buffer (read in place) or a sequence of
-    floats (converted)."""
+def _native(format):
+    """A buffer's struct format without a prefix that means native order ("<f" of a ctypes array on
+    a little-endian machine is "f")."""
+    native = "@=<" if sys.byteorder == "little" else "@=>"
+    return format[1:] if len(format) == 2 and format[0] in native else format
+
+
+def _buffer_format(values):
+    """The struct format of a buffer's elements, or None for something that is not a buffer."""
+    try:
+        with memoryview(values) as view:
+            return _native(view.format)
+    except TypeError:
+        return None
+
+
+def _elements(values, what, ctype, formats, typecode, kind, hint):
+    """(pointer, count, keep-alive) for a contiguous buffer whose format is one of `formats` (read
+    in place) or a sequence (converted to array(typecode)); `kind` names the elements and `hint`
+    says how to convert a buffer of another format."""
+    size = ctypes.sizeof(ctype)
     try:
         view = memoryview(values)
     except TypeError:
         view = None
     if view is not None:
-        if view.format != "f":
+        if _native(view.format) not in formats:
             found = view.format
             view.release()
-            raise TypeError(f"{what} is a buffer of format {found!r}, not float32 ('f'): convert it "
-                            f"(numpy: .astype(numpy.float32))")
+            raise TypeError(f"{what} is a buffer of format {found!r}, not {kind} "
+                            f"({' or '.join(map(repr, formats))}): {hint}")
         if not view.c_contiguous:
             view.release()
-            raise TypeError(f"{what} is a float32 buffer that is not contiguous: pass a contiguous copy "
+            raise TypeError(f"{what} is a buffer that is not contiguous: pass a contiguous copy "
                             f"(numpy: numpy.ascontiguousarray)")
-        count = view.nbytes // 4
+        count = view.nbytes // size
         if view.readonly:
-            holder = (ctypes.c_float * count).from_buffer_copy(view)
+            holder = (ctype * count).from_buffer_copy(view)
         else:
-            holder = (ctypes.c_float * count).from_buffer(view.cast("B"))
-        return ctypes.cast(holder, _FLOATS), count, holder
+            holder = (ctype * count).from_buffer(view.cast("B"))
+        return ctypes.cast(holder, ctypes.POINTER(ctype)), count, holder
     try:
-        converted = array.array("f", values)
-    except TypeError:
-        raise TypeError(f"{what} must be a float32 buffer or a sequence of floats, not {type(values).__name__}")
-    holder = (ctypes.c_float * len(converted)).from_buffer(converted)
-    return ctypes.cast(holder, _FLOATS), len(converted), (holder, converted)
+        converted = array.array(typecode, values)
+    except (TypeError, OverflowError) as e:
+        raise TypeError(f"{what} must be a {kind} buffer or a sequence of {kind} values, not "
+                        f"{type(values).__name__} ({e})")
+    holder = (ctype * len(converted)).from_buffer(converted)
+    return ctypes.cast(holder, ctypes.POINTER(ctype)), len(converted), (holder, converted)
+
+
+def _floats(values, what):
+    """(pointer, count, keep-alive) for a contiguous float32 buffer (read in place) or a sequence of
+    floats (converted)."""
+    return _elements(values, what, ctypes.c_float, ("f",), "f", "float32",
+                     "convert it (numpy: .astype(numpy.float32))")
+
+
+def _halves(values, what):
+    """(pointer, count, keep-alive) for a contiguous buffer of 16-bit values (float16, uint16 or
+    int16, read in place) or a sequence of 16-bit patterns (converted)."""
+    return _elements(values, what, ctypes.c_uint16, ("e", "H", "h"), "H", "16-bit",
+                     "pass the 16-bit patterns (numpy: .view(numpy.uint16))")
 
 
 def _geometry(layers, kv_heads, q_heads, head_dim, max_tokens, block_tokens=0, element="f16"):
@@ -276,13 +316,27 @@ class Session:
         """Tokens appended to a layer."""
         return self._lib.kvmm_session_tokens(self._live(), layer)
 
-    def append(self, layer, k, v):
-        """Appends whole tokens' K and V rows (kv_heads * head_dim floats per token each)."""
-        (kp, kn, keep_k), (vp, vn, keep_v) = _floats(k, "k"), _floats(v, "v")
+    def append(self, layer, k, v, element=None):
+        """Appends whole tokens' K and V rows (kv_heads * head_dim values per token each): floats,
+        or with `element` ("f16" or "bf16") 16-bit patterns of that type. A float16 buffer is f16
+        without saying so. 16-bit rows of the session's own element type are stored bit for bit."""
+        if element is None and _buffer_format(k) == "e":
+            element = "f16"
+        if element is None:
+            (kp, kn, keep_k), (vp, vn, keep_v) = _floats(k, "k"), _floats(v, "v")
+            unit = "floats"
+        elif element in ELEMENTS:
+            (kp, kn, keep_k), (vp, vn, keep_v) = _halves(k, "k"), _halves(v, "v")
+            unit = f"{element} values"
+        else:
+            raise ValueError(f"element must be one of {sorted(ELEMENTS)} or None (floats), not {element!r}")
         if kn != vn or kn == 0 or kn % self._row:
             raise ValueError(f"k and v must hold the same whole number of tokens of kv_heads * head_dim = "
-                             f"{self._row} floats; got {kn} and {vn}")
-        _check(self._lib.kvmm_append(self._live(), layer, kp, vp, kn // self._row))
+                             f"{self._row} {unit}; got {kn} and {vn}")
+        if element is None:
+            _check(self._lib.kvmm_append(self._live(), layer, kp, vp, kn // self._row))
+        else:
+            _check(self._lib.kvmm_append16(self._live(), layer, ELEMENTS[element], kp, vp, kn // self._row))
         del keep_k, keep_v
 
     def attention(self, layer, q, out=None):
@@ -294,7 +348,7 @@ class Session:
         if out is None:
             out = array.array("f", bytes(4 * self._query))
         view = memoryview(out)
-        if view.format != "f" or view.readonly or not view.c_contiguous or view.nbytes != 4 * self._query:
+        if _native(view.format) != "f" or view.readonly or not view.c_contiguous or view.nbytes != 4 * self._query:
             raise ValueError(f"out must be a writable, contiguous float32 buffer of {self._query} floats")
         holder = (ctypes.c_float * self._query).from_buffer(view.cast("B"))
         _check(self._lib.kvmm_attention(self._live(), layer, qp, ctypes.cast(holder, _FLOATS)))

@@ -27,11 +27,11 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::Duration;
 
 use kvmm_client::session::DEFAULT_EXTEND_BATCH;
-use kvmm_client::{AttachOptions, Client, ElementType, Geometry, ModelShape, Priority, Session};
+use kvmm_client::{AttachOptions, Client, ElementType, Geometry, ModelShape, Priority, RowElement, Session, bf16, f16};
 use tonic::Code;
 
-/// The API version (`KVMM_API_VERSION` in the header).
-pub const API_VERSION: u32 = 1;
+/// The API version (`KVMM_API_VERSION` in the header): 2 added `kvmm_append16`.
+pub const API_VERSION: u32 = 2;
 
 /// `KVMM_OK`.
 const OK: c_int = 0;
@@ -214,28 +214,31 @@ unsafe fn text<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>, Fail
     s.to_str().map(Some).map_err(|_| invalid(format!("`{what}` is not valid UTF-8")))
 }
 
-/// `len` floats at `p`, which must not be NULL.
+/// `len` values at `p`, which must not be NULL.
 ///
 /// # Safety
 ///
-/// `p` is NULL or valid for reading `len` floats, unmodified for `'a`.
-unsafe fn floats<'a>(p: *const f32, len: usize, what: &str) -> Result<&'a [f32], Failure> {
+/// `p` is NULL or valid for reading `len` values of `T`, unmodified for `'a`.
+unsafe fn elements<'a, T>(p: *const T, len: usize, what: &str) -> Result<&'a [T], Failure> {
     if p.is_null() {
         return Err(invalid(format!("`{what}` is NULL")));
     }
-    // SAFETY: `len` readable floats per the contract; a float pointer from C is aligned.
+    // SAFETY: `len` readable elements per the contract; a typed pointer from C is aligned.
     Ok(unsafe { std::slice::from_raw_parts(p, len) })
+}
+
+/// The element type a `kvmm_element` names; `what` names the argument in the error.
+fn element(e: u32, what: &str) -> Result<ElementType, Failure> {
+    match e {
+        0 => Ok(ElementType::F16),
+        1 => Ok(ElementType::Bf16),
+        e => Err(invalid(format!("{what} is {e}: use KVMM_ELEMENT_F16 (0) or KVMM_ELEMENT_BF16 (1)"))),
+    }
 }
 
 /// The geometry a `kvmm_geometry` describes.
 fn geometry(g: &CGeometry) -> Result<Geometry, Failure> {
-    let element_type = match g.element {
-        0 => ElementType::F16,
-        1 => ElementType::Bf16,
-        e => {
-            return Err(invalid(format!("geometry.element is {e}: use KVMM_ELEMENT_F16 (0) or KVMM_ELEMENT_BF16 (1)")));
-        }
-    };
+    let element_type = element(g.element, "geometry.element")?;
     let mut geometry = Geometry::new(g.layers, g.kv_heads, g.q_heads, g.head_dim, g.max_tokens);
     geometry.element_type = element_type;
     if g.block_tokens != 0 {
@@ -534,18 +537,63 @@ pub unsafe extern "C" fn kvmm_append(
     call("kvmm_append", || {
         // SAFETY: per this function's contract.
         let s = unsafe { required_mut(session, "session") }?;
-        let (row, _) = row_lengths(&s.session);
-        let len = tokens
-            .checked_mul(row)
-            .filter(|&n| n <= isize::MAX as usize / 4)
-            .ok_or_else(|| invalid(format!("{tokens} tokens of {row} floats each is more than any buffer can hold")))?;
-        if tokens == 0 {
-            return Err(invalid("`tokens` is 0: append at least one token"));
-        }
-        // SAFETY: `len` floats each, per this function's contract.
-        let (k, v) = unsafe { (floats(k, len, "k")?, floats(v, len, "v")?) };
-        Ok(s.session.append(layer, k, v)?)
+        // SAFETY: per this function's contract.
+        unsafe { append_rows(s, layer, k, v, tokens, "floats") }
     })
+}
+
+/// See `kvmm.h`.
+///
+/// # Safety
+///
+/// `session` is NULL or a live handle no other thread uses; `k` and `v` NULL or valid for
+/// `tokens × kv_heads × head_dim` 16-bit values.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmm_append16(
+    session: *mut KvmmSession,
+    layer: u32,
+    element_type: u32,
+    k: *const u16,
+    v: *const u16,
+    tokens: usize,
+) -> c_int {
+    call("kvmm_append16", || {
+        // SAFETY: per this function's contract.
+        let s = unsafe { required_mut(session, "session") }?;
+        // `f16` and `bf16` are `repr(transparent)` over `u16`: the caller's bits are read as they are.
+        match element(element_type, "element")? {
+            // SAFETY: per this function's contract, with the cast above.
+            ElementType::F16 => unsafe { append_rows(s, layer, k.cast::<f16>(), v.cast::<f16>(), tokens, "values") },
+            // SAFETY: per this function's contract, with the cast above.
+            ElementType::Bf16 => unsafe { append_rows(s, layer, k.cast::<bf16>(), v.cast::<bf16>(), tokens, "values") },
+        }
+    })
+}
+
+/// Appends `tokens` tokens' rows of `E` (`unit` names one in errors) after checking the lengths.
+///
+/// # Safety
+///
+/// `k` and `v` are NULL or valid for `tokens × kv_heads × head_dim` values of `E`.
+unsafe fn append_rows<E: RowElement>(
+    s: &mut KvmmSession,
+    layer: u32,
+    k: *const E,
+    v: *const E,
+    tokens: usize,
+    unit: &str,
+) -> Result<(), Failure> {
+    let (row, _) = row_lengths(&s.session);
+    let len = tokens
+        .checked_mul(row)
+        .filter(|&n| n <= isize::MAX as usize / size_of::<E>())
+        .ok_or_else(|| invalid(format!("{tokens} tokens of {row} {unit} each is more than any buffer can hold")))?;
+    if tokens == 0 {
+        return Err(invalid("`tokens` is 0: append at least one token"));
+    }
+    // SAFETY: `len` values each, per this function's contract.
+    let (k, v) = unsafe { (elements(k, len, "k")?, elements(v, len, "v")?) };
+    Ok(s.session.append(layer, k, v)?)
 }
 
 /// See `kvmm.h`.
@@ -561,7 +609,7 @@ pub unsafe extern "C" fn kvmm_attention(session: *mut KvmmSession, layer: u32, q
         let s = unsafe { required_mut(session, "session") }?;
         let (_, n) = row_lengths(&s.session);
         // SAFETY: as above.
-        let q = unsafe { floats(q, n, "q") }?;
+        let q = unsafe { elements(q, n, "q") }?;
         let out = output(out, "out")?;
         // SAFETY: `n` writable floats that do not overlap `q`, per the contract.
         let out = unsafe { std::slice::from_raw_parts_mut(out, n) };

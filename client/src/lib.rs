@@ -27,7 +27,8 @@ use std::time::Duration;
 
 pub use connect::default_socket;
 pub use error::{Error, Result};
-pub use kvmm_kernels::ElementType;
+pub use half::{bf16, f16};
+pub use kvmm_kernels::{ElementType, RowElement};
 pub use kvmm_proto::v1 as proto;
 pub use kvmm_shm::Geometry;
 pub use session::{AttachOptions, ModelShape, Priority, Session, SessionStats};

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvmm_kernels::attention::{AttnShape, DecodeAttention, PageView};
-use kvmm_kernels::format::rows::write_rows;
+use kvmm_kernels::format::rows::{RowElement, write_rows};
 use kvmm_kernels::{Format, PageShape};
 use kvmm_proto::v1 as pb;
 use kvmm_shm::fdpass::{FdRequest, ReceivedReply, SeqpacketConn};
@@ -429,17 +429,19 @@ impl Session {
     }
 
     /// Appends `n` tokens' K and V rows to `layer`. `k` and `v` each hold `n × kv_heads × head_dim`
-    /// floats, token-major (`k[(t * kv_heads + h) * head_dim + d]`); they are stored as the session's
-    /// element type. New pages are requested in batches, never one RPC per token.
+    /// elements, token-major (`k[(t * kv_heads + h) * head_dim + d]`): `f32`, or [`f16`](crate::f16)
+    /// or [`bf16`](crate::bf16) rows an engine already holds. They are stored as the session's
+    /// element type, rounded once to nearest-even; 16-bit rows of the session's own type are copied
+    /// bit for bit. New pages are requested in batches, never one RPC per token.
     ///
     /// If a page cannot be had (`RESOURCE_EXHAUSTED`), the tokens that fit in pages already held stay
     /// appended and [`Session::tokens`] says how many; the rest can be appended once room is made.
-    pub fn append(&mut self, layer: u32, k: &[f32], v: &[f32]) -> Result<()> {
+    pub fn append<E: RowElement>(&mut self, layer: u32, k: &[E], v: &[E]) -> Result<()> {
         self.check_layer(layer)?;
         let row = (self.geometry.kv_heads * self.geometry.head_dim) as usize;
         if k.is_empty() || k.len() != v.len() || !k.len().is_multiple_of(row) {
             return Err(Error::InvalidArgument(format!(
-                "k and v must hold the same whole number of tokens of kv_heads × head_dim = {row} floats; got {} and {}",
+                "k and v must hold the same whole number of tokens of kv_heads × head_dim = {row} elements; got {} and {}",
                 k.len(),
                 v.len()
             )));
@@ -477,7 +479,7 @@ impl Session {
     }
 
     /// Writes rows at `slot` of a pinned page and publishes the page's new token count (Release).
-    fn write_pinned(&self, layer: u32, block: u32, slot: u32, k: &[f32], v: &[f32]) -> Result<()> {
+    fn write_pinned<E: RowElement>(&self, layer: u32, block: u32, slot: u32, k: &[E], v: &[E]) -> Result<()> {
         let (loc, _pin) = self.pin(layer, block)?;
         let (offset, len) = self.checked(loc)?;
         // SAFETY: the page is pinned, so the daemon neither moves nor frees the frame while this

@@ -2,11 +2,11 @@
 //!
 //! - [`format`](mod@format): page [`Format`]s (ABI codes: f16, bf16 and the quantized q8, q4, q2,
 //!   k8v4), the 64-byte [`PageHeader`] every page starts with ([`init_page`] writes it), the
-//!   [`PageShape`] layout — keys channel-major, values token-major — row writes ([`write_rows`],
-//!   [`write_rows_raw`] for memory the caller mapped) and reads ([`read_rows`]), conversion to and
-//!   from the quantized formats ([`quantize`], [`dequantize`] to rows, [`dequantize_page`] to a
-//!   16-bit page) and per-channel key bounds of every
-//!   page ([`key_bounds`]).
+//!   [`PageShape`] layout — keys channel-major, values token-major — row writes ([`write_rows`]
+//!   from f32, f16 or bf16 rows, [`write_rows_raw`] for memory the caller mapped) and reads
+//!   ([`read_rows`]), conversion to and from the quantized formats ([`quantize`], [`dequantize`] to
+//!   rows, [`dequantize_page`] to a 16-bit page) and per-channel key bounds of every page
+//!   ([`key_bounds`]).
 //! - [`attention`]: fused paged decode attention for one query token, fed one page at a time
 //!   ([`DecodeAttention`]; [`DecodeAttention::page_prefetching`] also names the page that comes next,
 //!   so its memory reads overlap this page's arithmetic), or [`decode_attention`] over a slice of
@@ -37,6 +37,6 @@ pub use error::{KernelError, KernelErrorKind};
 pub use format::bounds::key_bounds;
 pub use format::header::{HEADER_BYTES, PageHeader, init_page};
 pub use format::quant::{QuantLayout, dequantize, dequantize_with, quantize, quantize_with, requantize};
-pub use format::rows::{read_rows, write_rows, write_rows_f16, write_rows_f16_raw, write_rows_raw};
+pub use format::rows::{RowElement, read_rows, write_rows, write_rows_raw};
 pub use format::to_page::{dequantize_page, dequantize_page_with};
 pub use format::{ElementType, Format, PageShape};

@@ -1,9 +1,7 @@
 //! Row writes and reads: round trips, the rounding rule, and the layout seen from outside.
 
 use half::{bf16, f16};
-use kvmm_kernels::{
-    Format, KernelError, PageShape, init_page, key_bounds, read_rows, write_rows, write_rows_f16, write_rows_raw,
-};
+use kvmm_kernels::{Format, KernelError, PageShape, init_page, key_bounds, read_rows, write_rows, write_rows_raw};
 use proptest::prelude::*;
 
 const SHAPE: PageShape = PageShape { kv_heads: 2, head_dim: 16, block_tokens: 8 };
@@ -53,18 +51,71 @@ fn f32_to_bf16_rounds_to_nearest_even() {
     assert!(bf16::from_bits(stored_bits(Format::Bf16, f32::NAN)).is_nan());
 }
 
+/// The bits stored at every key and value position of slot `slot` of `page`.
+fn slot_bits(page: &[u8], slot: usize) -> (Vec<u16>, Vec<u16>) {
+    let positions = (0..SHAPE.kv_heads).flat_map(|h| (0..SHAPE.head_dim).map(move |d| (h, d)));
+    positions.map(|(h, d)| (bits_at(page, SHAPE.k_byte(h, d, slot)), bits_at(page, SHAPE.v_byte(h, slot, d)))).unzip()
+}
+
 #[test]
-fn raw_f16_rows_are_copied_bit_for_bit() {
-    let row: Vec<f16> = (0..32).map(|i| f16::from_bits(0x3c00 + i as u16 * 7)).collect();
+fn sixteen_bit_rows_are_copied_bit_for_bit_into_a_page_of_their_format() {
+    // Patterns across the range, with a subnormal, ±0, ±infinity and a NaN payload among them.
+    let patterns: Vec<u16> =
+        (0..27u16).map(|i| i.wrapping_mul(0x9e37)).chain([0x0001, 0x8000, 0x7c00, 0xfc00, 0x7e01]).collect();
+    let k16: Vec<f16> = patterns.iter().map(|&b| f16::from_bits(b)).collect();
+    let v16: Vec<f16> = patterns.iter().rev().map(|&b| f16::from_bits(b)).collect();
     let mut page = empty_page(SHAPE, Format::F16);
-    write_rows_f16(SHAPE, Format::F16, &mut page, 5, &row, &row).unwrap();
-    for h in 0..2 {
-        for d in 0..16 {
-            let want = row[h * 16 + d].to_bits();
-            assert_eq!(bits_at(&page, SHAPE.k_byte(h, d, 5)), want);
-            assert_eq!(bits_at(&page, SHAPE.v_byte(h, 5, d)), want);
-        }
+    write_rows(SHAPE, Format::F16, &mut page, 5, &k16, &v16).unwrap();
+    assert_eq!(slot_bits(&page, 5), (patterns.clone(), patterns.iter().rev().copied().collect()));
+
+    let kb: Vec<bf16> = patterns.iter().map(|&b| bf16::from_bits(b)).collect();
+    let mut page = empty_page(SHAPE, Format::Bf16);
+    write_rows(SHAPE, Format::Bf16, &mut page, 7, &kb, &kb).unwrap();
+    assert_eq!(slot_bits(&page, 7), (patterns.clone(), patterns));
+}
+
+#[test]
+fn sixteen_bit_rows_into_the_other_format_round_once_from_their_value() {
+    // bf16 → f16: exact inside f16's normal range; below it f16's subnormal step is 2^-24, and a bf16
+    // value halfway between two steps goes to the even one; past 65504 it is infinity.
+    let tiny = 2f32.powi(-24);
+    let pinned = [(1.5 * tiny, 0x0002), (2.5 * tiny, 0x0002), (3.5 * tiny, 0x0004), (70000.0, 0x7c00), (-1.0, 0xbc00)];
+    let mut bf: Vec<bf16> = pinned.iter().map(|&(x, _)| bf16::from_f32(x)).collect();
+    bf.extend((bf.len()..32).map(|i| bf16::from_f32((i as f32 - 16.0) * 1234.5 + 0.0078125)));
+    let mut page = empty_page(SHAPE, Format::F16);
+    write_rows(SHAPE, Format::F16, &mut page, 0, &bf, &bf).unwrap();
+    let (keys, values) = slot_bits(&page, 0);
+    let want: Vec<u16> = bf.iter().map(|x| f16::from_f32(x.to_f32()).to_bits()).collect();
+    assert_eq!((&keys, &values), (&want, &want));
+    for (i, &(_, bits)) in pinned.iter().enumerate() {
+        assert_eq!(keys[i], bits, "bf16 {} into f16", bf[i]);
     }
+
+    // f16 → bf16: bf16 keeps 7 fraction bits, f16 10, so 1 + i·2^-9 lands between bf16 steps.
+    let h: Vec<f16> = (0..32).map(|i| f16::from_f32(1.0 + i as f32 * 2f32.powi(-9))).collect();
+    let mut page = empty_page(SHAPE, Format::Bf16);
+    write_rows(SHAPE, Format::Bf16, &mut page, 3, &h, &h).unwrap();
+    let (keys, values) = slot_bits(&page, 3);
+    let want: Vec<u16> = h.iter().map(|x| bf16::from_f32(x.to_f32()).to_bits()).collect();
+    assert_eq!((&keys, &values), (&want, &want));
+    // 1 + 2^-8 is halfway between bf16's 1 and 1 + 2^-7: ties to even, down to 1.
+    assert_eq!(keys[2], 0x3f80);
+    // 1 + 3·2^-9 is past halfway: up to 1 + 2^-7.
+    assert_eq!(keys[3], 0x3f81);
+}
+
+#[test]
+fn sixteen_bit_rows_write_the_same_page_as_f32_rows_of_the_same_values() {
+    let k: Vec<f32> = (0..64).map(|i| (i as f32 * 0.73).sin() * 40.0).collect();
+    let v = vec![0.5f32; 64];
+    let mut from_f32 = empty_page(SHAPE, Format::Bf16);
+    write_rows(SHAPE, Format::Bf16, &mut from_f32, 2, &k, &v).unwrap();
+    let kb: Vec<bf16> = k.iter().map(|&x| bf16::from_f32(x)).collect();
+    let vb: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+    let mut from_bf16 = empty_page(SHAPE, Format::Bf16);
+    write_rows(SHAPE, Format::Bf16, &mut from_bf16, 2, &kb, &vb).unwrap();
+    // The whole page, header and key bounds included.
+    assert_eq!(from_f32, from_bf16);
 }
 
 #[test]

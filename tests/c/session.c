@@ -258,6 +258,80 @@ static int wiping(kvmm_client *client) {
     return 0;
 }
 
+/* The bits of an f16 that holds x exactly (x is 0 or a normal f16 value, as exact() makes). */
+static uint16_t f16_bits(float x) {
+    if (x == 0.0f) {
+        return signbit(x) ? 0x8000 : 0;
+    }
+    int e;
+    double m = frexp(fabs((double)x), &e); /* |x| = m * 2^e, m in [0.5, 1) */
+    uint16_t exponent = (uint16_t)(e - 1 + 15), fraction = (uint16_t)((m * 2.0 - 1.0) * 1024.0);
+    return (uint16_t)((x < 0 ? 0x8000 : 0) | exponent << 10 | fraction);
+}
+
+/* The bits of a bfloat16 that holds x exactly: the top half of its float. */
+static uint16_t bf16_bits(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (uint16_t)(bits >> 16);
+}
+
+static uint16_t k16[2][100 * ROW], v16[2][100 * ROW];
+
+/* The attention output over layer 0 of a session of `element` appended with `kv` as floats
+ * (how < 0) or as 16-bit values of element type `how`. */
+static void attend16(kvmm_client *client, uint32_t element, int how, const layer_kv *kv, const float *q, float *out) {
+    kvmm_geometry g = geometry();
+    g.element = element;
+    kvmm_session *s = NULL;
+    CHECK(kvmm_attach(client, &g, NULL, &s));
+    if (how < 0) {
+        CHECK(kvmm_append(s, 0, kv->k, kv->v, kv->tokens));
+    } else {
+        /* In two calls, so the second starts inside a page. */
+        CHECK(kvmm_append16(s, 0, (uint32_t)how, k16[how], v16[how], 45));
+        CHECK(kvmm_append16(s, 0, (uint32_t)how, k16[how] + 45 * ROW, v16[how] + 45 * ROW, kv->tokens - 45));
+    }
+    CHECK(kvmm_attention(s, 0, q, out));
+    CHECK(kvmm_detach(s, NULL));
+}
+
+/* Rows appended as f16 or bf16 bits give the pages f32 rows of the same values give: the same
+ * attention output, bit for bit, in sessions of either element type. */
+static int sixteen_bit(kvmm_client *client) {
+    static layer_kv kv;
+    fill(&kv, 100, 16);
+    for (size_t i = 0; i < kv.tokens * ROW; i++) {
+        k16[KVMM_ELEMENT_F16][i] = f16_bits(kv.k[i]);
+        v16[KVMM_ELEMENT_F16][i] = f16_bits(kv.v[i]);
+        k16[KVMM_ELEMENT_BF16][i] = bf16_bits(kv.k[i]);
+        v16[KVMM_ELEMENT_BF16][i] = bf16_bits(kv.v[i]);
+    }
+    float q[QROW];
+    query(q, 77);
+    int same = 0;
+    double worst = 0.0;
+    for (uint32_t element = KVMM_ELEMENT_F16; element <= KVMM_ELEMENT_BF16; element++) {
+        float want[QROW], got[QROW];
+        attend16(client, element, -1, &kv, q, want);
+        double err = check_attention(&kv, q, want);
+        worst = err > worst ? err : worst;
+        for (int how = KVMM_ELEMENT_F16; how <= KVMM_ELEMENT_BF16; how++) {
+            attend16(client, element, how, &kv, q, got);
+            same += memcmp(want, got, sizeof want) == 0;
+        }
+    }
+    printf("append16 same outputs %d of 4, worst %.3g\n", same, worst);
+
+    kvmm_geometry g = geometry();
+    kvmm_session *s = NULL;
+    CHECK(kvmm_attach(client, &g, NULL, &s));
+    refused("kvmm_append16", kvmm_append16(s, 0, 7, k16[0], v16[0], 1), KVMM_INVALID_ARGUMENT);
+    refused("kvmm_append16", kvmm_append16(s, 0, KVMM_ELEMENT_F16, NULL, v16[0], 1), KVMM_INVALID_ARGUMENT);
+    CHECK(kvmm_detach(s, NULL));
+    return 0;
+}
+
 static int session_mode(const char *socket) {
     /* The socket comes through $KVMM_SOCKET, for kvmm_connect(NULL). */
     (void)socket;
@@ -348,7 +422,7 @@ static int session_mode(const char *socket) {
     printf("stats tokens %llu device_pages %u device_bytes %llu resident %u\n", (unsigned long long)stats.tokens,
            stats.device_pages, (unsigned long long)stats.device_bytes, resident);
 
-    if (evicting(client) != 0 || wiping(client) != 0) {
+    if (evicting(client) != 0 || wiping(client) != 0 || sixteen_bit(client) != 0) {
         return 1;
     }
 

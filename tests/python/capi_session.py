@@ -12,10 +12,12 @@ Each mode prints one JSON object.
 """
 
 import array
+import ctypes
 import hashlib
 import json
 import math
 import os
+import struct
 import sys
 
 import kvmm
@@ -73,6 +75,47 @@ def refused(call, name):
     raise AssertionError(f"expected {name}")
 
 
+def f16_bits(xs):
+    return list(struct.unpack(f"<{len(xs)}H", struct.pack(f"<{len(xs)}e", *xs)))
+
+
+def bf16_bits(xs):
+    """The top halves of the floats: exact for values bfloat16 holds, as values() makes."""
+    return [b >> 16 for b in struct.unpack(f"<{len(xs)}I", struct.pack(f"<{len(xs)}f", *xs))]
+
+
+def sixteen_bit(client):
+    """Rows appended as 16-bit patterns give the attention output f32 rows of the same values give,
+    bit for bit, in sessions of either element type; returns the count of equal outputs and the
+    refusals of bad 16-bit input."""
+    k, v = values(40 * ROW, 60), values(40 * ROW, 61)
+    q = values(QROW, 62)
+    ways = [
+        ("f16", array.array("H", f16_bits(k)), array.array("H", f16_bits(v))),    # read in place
+        ("bf16", bf16_bits(k), bf16_bits(v)),                                      # lists of ints
+        ("f16", (ctypes.c_uint16 * len(k))(*f16_bits(k)), (ctypes.c_uint16 * len(v))(*f16_bits(v))),  # '<H'
+    ]
+    same, errors = 0, []
+    for element in ("f16", "bf16"):
+        with client.attach(LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, MAX_TOKENS, element=element) as s:
+            s.append(0, k, v)
+            want = s.attention(0, q).tobytes()
+        for way, kk, vv in ways:
+            with client.attach(LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, MAX_TOKENS, element=element) as s:
+                s.append(0, kk, vv, element=way)
+                same += s.attention(0, q).tobytes() == want
+    with client.attach(LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, MAX_TOKENS) as s:
+        for bad in (lambda: s.append(0, [0] * ROW, [0] * ROW, element="f32"),
+                    lambda: s.append(0, array.array("f", [0.0] * ROW), array.array("f", [0.0] * ROW), element="bf16"),
+                    lambda: s.append(0, [70000] * ROW, [0] * ROW, element="f16")):
+            try:
+                bad()
+                raise AssertionError("bad 16-bit input was accepted")
+            except (TypeError, ValueError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+    return same, errors
+
+
 def session_mode(socket):
     result = {}
     client = kvmm.Client(socket)
@@ -114,6 +157,7 @@ def session_mode(socket):
     stats = session.stats()
     result["stats"] = {"tokens": stats["tokens"], "device_pages": stats["device_pages"]}
     result["wiped"] = session.detach()
+    result["sixteen_same"], result["sixteen_errors"] = sixteen_bit(client)
     other = client.attach(LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, MAX_TOKENS)
     other.append(0, values(ROW, 3), values(ROW, 4))
     result["wiped_tiers"] = other.wipe()

@@ -118,7 +118,9 @@ fn a_c_program_appends_and_attends_through_libkvmm_and_bad_input_gets_a_status_a
     println!("{output}");
 
     // Values f16 holds exactly, so the reference sees what the pages hold: float rounding only.
-    for prefix in ["attention worst", "budget of every page worst", "thread 0 worst", "thread 1 worst", "evicted "] {
+    let prefixes =
+        ["attention worst", "budget of every page worst", "thread 0 worst", "thread 1 worst", "evicted ", "append16 "];
+    for prefix in prefixes {
         let worst = number_after(line(&lines, prefix), "worst");
         assert!(worst < 1e-5, "{prefix}: relative error {worst}");
     }
@@ -131,6 +133,10 @@ fn a_c_program_appends_and_attends_through_libkvmm_and_bad_input_gets_a_status_a
     assert_eq!(number_after(evicted, "dropped"), 6.0, "{evicted}");
     assert!(number_after(evicted, "first") >= 1.0, "the sink page was dropped: {evicted}");
     assert_eq!(number_after(evicted, "kept"), 400.0 - 6.0 * 32.0, "{evicted}");
+    // f16 and bf16 rows through kvmm_append16 into sessions of either element type: the pages and so
+    // the outputs are those of f32 rows of the same values.
+    let append16 = line(&lines, "append16 ");
+    assert!(append16.starts_with("append16 same outputs 4 of 4,"), "{append16}");
     let wiped = line(&lines, "wiped ");
     assert!(number_after(wiped, "device") > 0.0, "{wiped}");
     let stats = line(&lines, "stats ");
@@ -157,6 +163,8 @@ fn a_c_program_appends_and_attends_through_libkvmm_and_bad_input_gets_a_status_a
         ("kvmm_last_mass INVALID_ARGUMENT", "`mass` is NULL with a capacity of 4"),
         ("kvmm_attach INVALID_ARGUMENT", "eviction drops pages only over a quota: set quota_tokens as well as evict"),
         ("kvmm_append FAILED_PRECONDITION", "was wiped by this process; its data is gone: attach a new session"),
+        ("kvmm_append16 INVALID_ARGUMENT", "element is 7: use KVMM_ELEMENT_F16 (0) or KVMM_ELEMENT_BF16 (1)"),
+        ("kvmm_append16 INVALID_ARGUMENT", "`k` is NULL"),
     ];
     let refusals: Vec<&String> = lines.iter().filter(|l| l.starts_with("refused ")).collect();
     assert_eq!(refusals.len(), expected.len(), "{output}");

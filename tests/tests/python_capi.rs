@@ -74,6 +74,20 @@ fn a_python_process_appends_and_attends_through_libkvmm_and_bad_input_raises_its
     says("detached", "was detached; attach a new one");
     says("after_wipe", "was wiped by this process; its data is gone");
     says("type_error", "k is a buffer of format 'd', not float32 ('f')");
+    // 16-bit rows (an array('H') of f16 bits, a list of bf16 bits, a ctypes array) into an f16 and a
+    // bf16 session: the same attention output, bit for bit, as f32 rows of the same values.
+    assert_eq!(r["sixteen_same"], 6);
+    let sixteen_errors: Vec<&str> =
+        r["sixteen_errors"].as_array().unwrap().iter().map(|e| e.as_str().unwrap()).collect();
+    let wanted = [
+        "ValueError: element must be one of ['bf16', 'f16'] or None (floats), not 'f32'",
+        "TypeError: k is a buffer of format 'f', not 16-bit ('e' or 'H' or 'h'): pass the 16-bit patterns",
+        "TypeError: k must be a 16-bit buffer or a sequence of 16-bit values, not list",
+    ];
+    assert_eq!(sixteen_errors.len(), wanted.len(), "{sixteen_errors:?}");
+    for (got, want) in sixteen_errors.iter().zip(wanted) {
+        assert!(got.starts_with(want), "{got:?} should start with {want:?}");
+    }
     let value_errors = r["value_errors"].as_array().unwrap();
     assert!(value_errors[0].as_str().unwrap().contains("kv_heads * head_dim = 192 floats"), "{value_errors:?}");
     assert!(

@@ -11,8 +11,9 @@
 //! written row by row (they are produced whole by [`crate::format::quant::quantize`]).
 //!
 //! Conversion from `f32` rounds to nearest, ties to even, for both f16 and bf16 (the `half` crate's
-//! rule); values too large for f16 become ±infinity, NaN stays NaN. Raw f16 rows written into an f16
-//! page are copied bit for bit.
+//! rule); values too large for f16 become ±infinity, NaN stays NaN. Rows that are already 16-bit
+//! ([`RowElement`] for `f16` and `bf16`) are copied bit for bit into a page of their own format and
+//! rounded once into the other.
 //!
 //! Clients write into shared memory they mapped themselves, where no `&mut [u8]` exists yet:
 //! [`write_rows_raw`] takes a pointer and length and is the one place that builds the slice; every
@@ -24,10 +25,20 @@ use crate::error::KernelError;
 use crate::format::header::PageHeader;
 use crate::format::{Format, PageShape};
 
-/// An element type rows can be written from.
-trait RowElement: Copy {
-    /// The 16-bit pattern of `self` in `format`.
+/// An element type rows can be written from: `f32`, or 16-bit [`f16`](struct@f16) and
+/// [`bf16`](struct@bf16) rows an engine already holds. An element is rounded once, to nearest-even,
+/// into the page's format; a 16-bit element written into a page of its own format is copied bit for
+/// bit. The trait is sealed: these three are the types a page's conversion rules are written for.
+pub trait RowElement: Copy + sealed::Sealed {
+    /// The 16-bit pattern of `self` in `format` (f16 or bf16; any other format encodes as f16).
     fn encode(self, format: Format) -> u16;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
 }
 
 impl RowElement for f32 {
@@ -45,6 +56,16 @@ impl RowElement for f16 {
             // f16 → f32 is exact, so this rounds once, from the f16 value.
             Format::Bf16 => bf16::from_f32(self.to_f32()).to_bits(),
             _ => self.to_bits(),
+        }
+    }
+}
+
+impl RowElement for bf16 {
+    fn encode(self, format: Format) -> u16 {
+        match format {
+            Format::Bf16 => self.to_bits(),
+            // bf16 → f32 is exact, so this rounds once, from the bf16 value.
+            _ => f16::from_f32(self.to_f32()).to_bits(),
         }
     }
 }
@@ -146,31 +167,19 @@ fn widen_bounds(shape: PageShape, format: Format, page: &mut [u8], slots: std::o
     }
 }
 
-/// Writes `n` tokens of `f32` key and value rows into token slots `first_token..first_token + n` of
-/// `page`, rounding to nearest-even in `format`.
+/// Writes `n` tokens of key and value rows into token slots `first_token..first_token + n` of
+/// `page`, each element rounded once to nearest-even in `format` ([`RowElement`]: `f32`, or 16-bit
+/// rows, copied bit for bit into a page of their own format).
 ///
-/// `k` and `v` each hold `n × kv_heads × head_dim` floats, token-major
+/// `k` and `v` each hold `n × kv_heads × head_dim` elements, token-major
 /// (`k[(t × kv_heads + h) × head_dim + d]`). Slots outside the range are left untouched.
-pub fn write_rows(
+pub fn write_rows<E: RowElement>(
     shape: PageShape,
     format: Format,
     page: &mut [u8],
     first_token: usize,
-    k: &[f32],
-    v: &[f32],
-) -> Result<(), KernelError> {
-    write_rows_impl(shape, format, page, first_token, k, v)
-}
-
-/// Like [`write_rows`] but from raw f16 rows: copied bit for bit into an f16 page, rounded once to
-/// bf16 for a bf16 page.
-pub fn write_rows_f16(
-    shape: PageShape,
-    format: Format,
-    page: &mut [u8],
-    first_token: usize,
-    k: &[f16],
-    v: &[f16],
+    k: &[E],
+    v: &[E],
 ) -> Result<(), KernelError> {
     write_rows_impl(shape, format, page, first_token, k, v)
 }
@@ -182,35 +191,14 @@ pub fn write_rows_f16(
 /// `ptr` must be valid for reads and writes of `len` bytes for the whole call, and nothing else may
 /// read or write those bytes while it runs: no reference to them in this process, and no other
 /// process writing them (a tail page the caller owns, or a page it has pinned for writing).
-pub unsafe fn write_rows_raw(
+pub unsafe fn write_rows_raw<E: RowElement>(
     ptr: *mut u8,
     len: usize,
     shape: PageShape,
     format: Format,
     first_token: usize,
-    k: &[f32],
-    v: &[f32],
-) -> Result<(), KernelError> {
-    // SAFETY: the caller guarantees `ptr..ptr + len` is valid for reads and writes and not accessed
-    // by anyone else during this call, which is what a `&mut [u8]` of that extent requires.
-    let page = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
-    write_rows_impl(shape, format, page, first_token, k, v)
-}
-
-/// [`write_rows_f16`] into memory given by pointer and length.
-///
-/// # Safety
-///
-/// The same contract as [`write_rows_raw`]: `ptr` valid for reads and writes of `len` bytes, and no
-/// other access to those bytes while the call runs.
-pub unsafe fn write_rows_f16_raw(
-    ptr: *mut u8,
-    len: usize,
-    shape: PageShape,
-    format: Format,
-    first_token: usize,
-    k: &[f16],
-    v: &[f16],
+    k: &[E],
+    v: &[E],
 ) -> Result<(), KernelError> {
     // SAFETY: the caller guarantees `ptr..ptr + len` is valid for reads and writes and not accessed
     // by anyone else during this call, which is what a `&mut [u8]` of that extent requires.
