@@ -2,7 +2,7 @@
 # Installs kvmmd as a systemd service, or removes it again.
 #
 #   systemd/install.sh [install|uninstall] [--destdir DIR] [--prefix /usr] [--sysconfdir /etc]
-#                      [--no-build] [--bindir-from DIR] [--systemd-version N] [--purge]
+#                      [--no-build] [--bindir-from DIR] [--systemd-version N] [--python-dir DIR] [--purge]
 #
 # install (the default) builds the release binaries and the client library with
 # `cargo build --release --locked -p kvmm-daemon -p kvmm-ctl -p kvmm-capi` when they are missing or
@@ -12,6 +12,7 @@
 #   $prefix/bin/kvmmd, $prefix/bin/kvmmctl                          0755
 #   $prefix/lib/libkvmm.so                                          0755, the C API (capi/)
 #   $prefix/include/kvmm.h, $prefix/lib/pkgconfig/kvmm.pc           0644
+#   PYTHONDIR/kvmm.py                                               0644, the Python binding
 #   $prefix/lib/systemd/system/kvmmd{,-fd,-admin}.socket, kvmmd.service 0644
 #   $prefix/lib/systemd/system/kvmmd.service.d/50-systemd-254.conf  0644, only for systemd >= 254
 #   $prefix/lib/sysusers.d/kvmm.conf                                0644
@@ -22,7 +23,9 @@
 # Paths the units name (/usr/bin/kvmmd, /etc/kvmm/kvmmd.toml, /usr/share/doc/kvmm) follow --prefix
 # and --sysconfdir. As root on a host where systemd is PID 1 and without --destdir, it then creates
 # the user and groups (systemd-sysusers) and reloads systemd; otherwise it prints those commands.
-# As root without --destdir it runs ldconfig for the library.
+# As root without --destdir it runs ldconfig for the library. PYTHONDIR is --python-dir, else the
+# first directory the python3 on PATH imports packages from under $prefix/lib/ (Debian's python3:
+# /usr/lib/python3/dist-packages for /usr); without either the module is left out, and said so.
 #
 # uninstall stops and disables the units (same conditions), removes every file listed above and
 # leaves $sysconfdir/kvmm/kvmmd.toml and /var/lib/kvmm (the flash file) unless --purge. The user
@@ -34,6 +37,7 @@
 # --bindir-from DIR    take kvmmd, kvmmctl and libkvmm.so from DIR (also $KVMM_BIN_DIR) instead of
 #                      ${CARGO_TARGET_DIR:-target}/release; implies --no-build
 # --systemd-version N  decide about the systemd 254 drop-in for N instead of `systemctl --version`
+# --python-dir DIR     install the Python module kvmm.py into DIR (`none`: leave it out)
 # --purge              uninstall: remove the configuration and /var/lib/kvmm too
 #
 # Running either action twice is harmless. Exit status: 0 done, 1 failed, 2 usage error.
@@ -57,13 +61,14 @@ sysconfdir=/etc
 build=yes
 bin_from="${KVMM_BIN_DIR:-}"
 systemd_version=""
+python_dir="" # --python-dir; empty: ask python3
 purge=no
 tmp="" # scratch directory of do_install, removed on exit
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
     install | uninstall) action="$1" ;;
-    --destdir | --prefix | --sysconfdir | --bindir-from | --systemd-version)
+    --destdir | --prefix | --sysconfdir | --bindir-from | --systemd-version | --python-dir)
       [[ $# -ge 2 && -n "$2" ]] || usage "$1 needs a value"
       case "$1" in
         --destdir) destdir="$2" ;;
@@ -71,6 +76,7 @@ while [[ $# -gt 0 ]]; do
         --sysconfdir) sysconfdir="$2" ;;
         --bindir-from) bin_from="$2" ;;
         --systemd-version) systemd_version="$2" ;;
+        --python-dir) python_dir="$2" ;;
       esac
       shift
       ;;
@@ -90,6 +96,8 @@ done
 [[ -z "$systemd_version" || "$systemd_version" =~ ^[0-9]+$ ]] ||
   usage "--systemd-version takes a number such as 254, not '$systemd_version'"
 [[ "$purge" == no || "$action" == uninstall ]] || usage "--purge only applies to uninstall"
+[[ -z "$python_dir" || "$python_dir" == none || "$python_dir" == /* ]] ||
+  usage "--python-dir must be an absolute path or 'none', not '$python_dir'"
 prefix="${prefix%/}"
 sysconfdir="${sysconfdir%/}"
 if [[ -n "$destdir" ]]; then
@@ -114,6 +122,22 @@ docdir="$prefix/share/doc/kvmm"
 library="$prefix/lib/libkvmm.so"
 header="$prefix/include/kvmm.h"
 pkgconfig="$prefix/lib/pkgconfig/kvmm.pc"
+
+# The first directory the python3 on PATH imports packages from under $prefix/lib/; empty if none.
+python_site() {
+  command -v python3 >/dev/null 2>&1 || return 0
+  python3 - "$prefix/lib/" <<'PY' 2>/dev/null || true
+import site, sys
+print(next((d for d in site.getsitepackages() if d.startswith(sys.argv[1])), ""))
+PY
+}
+
+case "$python_dir" in
+  none) python_dir="" ;;
+  "") python_dir="$(python_site)" ;;
+esac
+python_dir="${python_dir%/}"
+python_module="${python_dir:+$python_dir/kvmm.py}"
 confdir="$sysconfdir/kvmm"
 config="$confdir/kvmmd.toml"
 statedir=/var/lib/kvmm
@@ -126,6 +150,7 @@ next_steps=(
 # Every file install puts in place (without $destdir), so uninstall removes exactly those.
 installed_files() {
   printf '%s\n' "$prefix/bin/kvmmd" "$prefix/bin/kvmmctl" "$library" "$header" "$pkgconfig"
+  [[ -z "$python_module" ]] || printf '%s\n' "$python_module"
   local unit
   for unit in "${units[@]}"; do printf '%s\n' "$unitdir/$unit"; done
   printf '%s\n' "$dropin" "$sysusers" "$docdir/kvmmd.toml.example" "$docdir/README.md"
@@ -187,7 +212,10 @@ do_install() {
     [[ -x "$bindir/$bin" ]] ||
       die "$bindir/$bin is not an executable: build it ($cargo_build) or name its directory with --bindir-from"
   done
-  [[ -f "$repo/capi/include/kvmm.h" ]] || die "$repo/capi/include/kvmm.h is missing: run this script from a kvmm checkout"
+  local f
+  for f in capi/include/kvmm.h capi/python/kvmm.py; do
+    [[ -f "$repo/$f" ]] || die "$repo/$f is missing: run this script from a kvmm checkout"
+  done
   local release
   release="$(sed -n 's/^version = "\(.*\)"$/\1/p' "$repo/Cargo.toml" | head -n 1)"
   [[ -n "$release" ]] || die "no version line in $repo/Cargo.toml"
@@ -223,6 +251,12 @@ PC
   say "installed the C API: $destdir$library, $destdir$header and $destdir$pkgconfig"
   if [[ -z "$destdir" && "$EUID" -eq 0 ]]; then
     ldconfig || say "ldconfig failed; programs may not find $library until it runs"
+  fi
+  if [[ -n "$python_module" ]]; then
+    install -D -m 0644 "$repo/capi/python/kvmm.py" "$destdir$python_module"
+    say "installed the Python binding: $destdir$python_module"
+  else
+    say "no python3 here imports packages from under $prefix/lib/: left out the Python binding (--python-dir DIR installs capi/python/kvmm.py there)"
   fi
 
   version="${systemd_version:-$(host_systemd_version)}"
@@ -280,6 +314,11 @@ do_uninstall() {
       say "removed $destdir$f"
     fi
   done < <(installed_files)
+  if [[ -n "$python_module" ]]; then
+    # What Python compiled from the module when it was imported.
+    rm -f "$destdir$python_dir"/__pycache__/kvmm.*.pyc
+    rmdir "$destdir$python_dir/__pycache__" 2>/dev/null || true
+  fi
   rmdir "$destdir$dropindir" "$destdir$docdir" "$destdir$(dirname "$pkgconfig")" 2>/dev/null || true
   if [[ -z "$destdir" && "$EUID" -eq 0 ]]; then
     ldconfig || say "ldconfig failed"

@@ -105,11 +105,15 @@ def _library():
     global _lib
     if _lib is not None:
         return _lib
-    path = os.environ.get("KVMM_LIBRARY") or ctypes.util.find_library("kvmm")
-    if not path:
-        raise OSError("libkvmm not found: build it (cargo build --release -p kvmm-capi) and set KVMM_LIBRARY "
-                      "to target/release/libkvmm.so, or install it where the system finds libraries")
-    lib = ctypes.CDLL(path)
+    # find_library needs a SONAME and helper programs; dlopen's own search (LD_LIBRARY_PATH, the
+    # ldconfig cache, /lib, /usr/lib) finds an installed libkvmm.so without them.
+    path = os.environ.get("KVMM_LIBRARY") or ctypes.util.find_library("kvmm") or "libkvmm.so"
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        raise OSError(f"libkvmm not found ({e}): build it (cargo build --release -p kvmm-capi) and set "
+                      f"KVMM_LIBRARY to target/release/libkvmm.so, or install it where the system finds "
+                      f"libraries (systemd/install.sh)") from None
     p = ctypes.POINTER
     signatures = {
         "kvmm_api_version": (ctypes.c_uint32, []),

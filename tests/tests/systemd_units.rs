@@ -4,8 +4,9 @@
 //! installed `/etc/kvmm/kvmmd.toml` is the example with `admin_group` turned on, and the example
 //! documents exactly the keys kvmmd's configuration structs accept; uninstall removes every file but
 //! the operator's configuration (and that too with `--purge`), both actions run twice harmlessly,
-//! `--prefix`/`--sysconfdir` move the paths the units name, and the installed C API (library,
-//! header, `kvmm.pc`) builds and runs a C client through `pkg-config`.
+//! `--prefix`/`--sysconfdir` move the paths the units name, the installed C API (library,
+//! header, `kvmm.pc`) builds and runs a C client through `pkg-config`, and the Python binding lands
+//! where the `python3` of the prefix imports from and finds the installed library.
 //!
 //! Nothing here touches the host's systemd: every run stages into a temporary directory. The checks
 //! that need `systemd-analyze` skip, with a message, where it is not installed.
@@ -378,6 +379,7 @@ fn uninstall_leaves_only_the_config_until_purge_and_reinstall_keeps_an_edited_co
             ("usr/lib/libkvmm.so", 0o755),
             ("usr/include/kvmm.h", 0o644),
             ("usr/lib/pkgconfig/kvmm.pc", 0o644),
+            ("usr/lib/python3/dist-packages/kvmm.py", 0o644),
             ("usr/lib/systemd/system/kvmmd.service", 0o644),
             ("usr/lib/systemd/system/kvmmd.socket", 0o644),
             ("usr/lib/systemd/system/kvmmd-fd.socket", 0o644),
@@ -391,20 +393,27 @@ fn uninstall_leaves_only_the_config_until_purge_and_reinstall_keeps_an_edited_co
         .map(|(p, m)| (p.to_owned(), m)),
     );
 
-    let out = install_into(root.path(), bins.path(), &["--systemd-version", "254"]);
+    // Where Debian's python3 imports from; named, so the list does not depend on this host's python3.
+    let python = ["--python-dir", "/usr/lib/python3/dist-packages"];
+    let out = install_into(root.path(), bins.path(), &["--systemd-version", "254", python[0], python[1]]);
     assert!(out.stdout.contains("systemd 254 (--systemd-version): installed the drop-in"), "{}", out.stdout);
     assert_eq!(files(root.path()), installed);
 
     let edited = format!("{}device_budget = \"1GiB\"\n", std::fs::read_to_string(&config).unwrap());
     std::fs::write(&config, &edited).unwrap();
-    let out = install_into(root.path(), bins.path(), &["--systemd-version", "254"]);
+    let out = install_into(root.path(), bins.path(), &["--systemd-version", "254", python[0], python[1]]);
     assert!(out.stdout.contains("kept the existing"), "{}", out.stdout);
     assert_eq!(std::fs::read_to_string(&config).unwrap(), edited, "a second install overwrote the config");
     assert_eq!(files(root.path()), installed);
 
     let only_config = BTreeSet::from(["etc/kvmm/kvmmd.toml"]);
-    let out = uninstall_from(root.path(), &[]);
+    // A compiled copy Python left beside the module goes with it.
+    let cache = root.path().join("usr/lib/python3/dist-packages/__pycache__");
+    std::fs::create_dir_all(&cache).unwrap();
+    std::fs::write(cache.join("kvmm.cpython-311.pyc"), b"bytecode").unwrap();
+    let out = uninstall_from(root.path(), &python);
     assert!(out.stdout.contains(&format!("left {}", config.display())), "{}", out.stdout);
+    assert!(!cache.exists(), "uninstall left {}", cache.display());
     assert!(out.stdout.contains("left the user kvmm"), "{}", out.stdout);
     assert_eq!(names(&files(root.path())), only_config);
     assert_eq!(std::fs::read_to_string(&config).unwrap(), edited);
@@ -501,4 +510,66 @@ fn the_installed_c_api_builds_a_client_through_pkg_config() {
     assert!(out.stdout.starts_with("kvmm_geometry size 28\n"), "{}", out.stdout);
     let ldd = run(Command::new("ldd").arg(&program).env_remove("LD_LIBRARY_PATH")).ok("ldd");
     assert!(ldd.stdout.contains(&format!("{}", usr.join("lib/libkvmm.so").display())), "{}", ldd.stdout);
+}
+
+/// `python3`'s answer to `code`, or None where there is no python3.
+fn python3(code: &str, env: &[(&str, &Path)]) -> Option<String> {
+    let mut cmd = Command::new("python3");
+    cmd.args(["-c", code]).env("PYTHONDONTWRITEBYTECODE", "1").env_remove("KVMM_LIBRARY");
+    for (key, value) in env {
+        cmd.env(key, value);
+    }
+    let out = cmd.output().ok()?;
+    assert!(out.status.success(), "python3 -c {code:?}: {}", String::from_utf8_lossy(&out.stderr));
+    Some(String::from_utf8(out.stdout).unwrap().trim().to_owned())
+}
+
+#[test]
+fn the_installed_python_module_is_where_python3_imports_from_and_finds_the_installed_library() {
+    let Some(prefix) = python3("import sys; print(sys.prefix)", &[]) else {
+        println!("SKIPPED: no python3 on PATH");
+        return;
+    };
+    // Installed under python3's own prefix, the module goes to the first directory it imports
+    // packages from (found by install.sh, not named).
+    let site = python3("import site; print(site.getsitepackages()[0])", &[]).unwrap();
+    let root = tempfile::Builder::new().prefix("kvmm-destdir-").tempdir().unwrap();
+    let out = install_into(root.path(), bin_dir(true).path(), &["--prefix", &prefix, "--systemd-version", "254"]);
+    let staged = |path: &str| root.path().join(path.trim_start_matches('/'));
+    assert!(out.stdout.contains(&format!("installed the Python binding: {}", staged(&site).join("kvmm.py").display())));
+    assert_eq!(
+        std::fs::read(staged(&site).join("kvmm.py")).unwrap(),
+        std::fs::read(repo().join("capi/python/kvmm.py")).unwrap()
+    );
+    // It imports from there and loads the installed library through the system's search (here the
+    // staged lib directory on LD_LIBRARY_PATH, as ldconfig's cache would name it once installed).
+    let lib = staged(&prefix).join("lib");
+    let said = python3(
+        "import kvmm; v = kvmm._library().kvmm_api_version(); \
+         maps = [l.split()[-1] for l in open('/proc/self/maps') if l.rstrip().endswith('/libkvmm.so')]; \
+         print(kvmm.__file__, maps[0], v)",
+        &[("PYTHONPATH", &staged(&site)), ("LD_LIBRARY_PATH", &lib)],
+    )
+    .unwrap();
+    assert_eq!(
+        said,
+        format!(
+            "{} {} {}",
+            staged(&site).join("kvmm.py").display(),
+            lib.join("libkvmm.so").display(),
+            kvmm::API_VERSION
+        ),
+        "the staged module and library"
+    );
+
+    // `none` leaves it out, and so does a prefix python3 does not import from.
+    let bare = tempfile::Builder::new().prefix("kvmm-destdir-").tempdir().unwrap();
+    let out = install_into(bare.path(), bin_dir(false).path(), &["--prefix", "/opt/kvmm-test", "--python-dir", "none"]);
+    assert!(out.stdout.contains("left out the Python binding"), "{}", out.stdout);
+    let out = install_into(bare.path(), bin_dir(false).path(), &["--prefix", "/opt/kvmm-test"]);
+    assert!(out.stdout.contains("no python3 here imports packages from under /opt/kvmm-test/lib/"), "{}", out.stdout);
+    assert!(!files(bare.path()).keys().any(|f| f.ends_with(".py")), "{:?}", files(bare.path()));
+
+    uninstall_from(root.path(), &["--prefix", &prefix]);
+    assert!(!staged(&site).join("kvmm.py").exists(), "uninstall left the module");
 }
