@@ -207,4 +207,100 @@ proptest! {
             prop_assert_eq!((lo[i], hi[i]), (want_lo, want_hi));
         }
     }
+
+    /// The writer against the rule it implements, written out element by element: every key and
+    /// value rounded once into its place, then each channel's bounds widened by the stored keys in
+    /// token order (a key replaces a bound it passes strictly or a NaN bound; a NaN key never
+    /// passes). Inputs are arbitrary bit patterns (NaNs, infinities, subnormals, ±0), in several
+    /// calls, onto a page whose bounds start arbitrary too; heads wider than the writer's
+    /// 64-channel step included.
+    #[test]
+    fn the_writer_matches_the_element_by_element_rule(
+        kv_heads in 1usize..=3,
+        head_dim in prop_oneof![1usize..=20, 60usize..=140],
+        block_log in 0u32..=5,
+        calls in 1usize..=3,
+        source in 0u8..3,
+        bf in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let format = if bf { Format::Bf16 } else { Format::F16 };
+        let shape = PageShape { kv_heads, head_dim, block_tokens: 1 << block_log };
+        let row = kv_heads * head_dim;
+        let mut state = seed | 1;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut page = empty_page(shape, format);
+        let mut want = page.clone();
+        for h in 0..kv_heads {
+            for d in 0..head_dim {
+                let (lo, hi) = (next() as u16, next() as u16);
+                for p in [&mut page, &mut want] {
+                    p[shape.bound_byte(h, d)..][..2].copy_from_slice(&lo.to_le_bytes());
+                    p[shape.bound_byte(h, d) + 2..][..2].copy_from_slice(&hi.to_le_bytes());
+                }
+            }
+        }
+        let decode = |b: u16| if bf { bf16::from_bits(b).to_f32() } else { f16::from_bits(b).to_f32() };
+        let mut first = 0;
+        for _ in 0..calls {
+            if first == shape.block_tokens {
+                break;
+            }
+            let count = 1 + (next() as usize % (shape.block_tokens - first));
+            let raw: Vec<u64> = (0..2 * count * row).map(|_| next()).collect();
+            // The stored bits of element i, by the rule, and the write itself, from `source`.
+            let stored: Vec<u16> = match source {
+                0 => {
+                    let x: Vec<f32> = raw.iter().map(|&r| f32::from_bits(r as u32)).collect();
+                    write_rows(shape, format, &mut page, first, &x[..count * row], &x[count * row..]).unwrap();
+                    x.iter().map(|&x| if bf { bf16::from_f32(x).to_bits() } else { f16::from_f32(x).to_bits() }).collect()
+                }
+                1 => {
+                    let x: Vec<f16> = raw.iter().map(|&r| f16::from_bits(r as u16)).collect();
+                    write_rows(shape, format, &mut page, first, &x[..count * row], &x[count * row..]).unwrap();
+                    x.iter().map(|&x| if bf { bf16::from_f32(x.to_f32()).to_bits() } else { x.to_bits() }).collect()
+                }
+                _ => {
+                    let x: Vec<bf16> = raw.iter().map(|&r| bf16::from_bits(r as u16)).collect();
+                    write_rows(shape, format, &mut page, first, &x[..count * row], &x[count * row..]).unwrap();
+                    x.iter().map(|&x| if bf { x.to_bits() } else { f16::from_f32(x.to_f32()).to_bits() }).collect()
+                }
+            };
+            let (k, v) = stored.split_at(count * row);
+            for i in 0..count {
+                for h in 0..kv_heads {
+                    for d in 0..head_dim {
+                        let e = (i * kv_heads + h) * head_dim + d;
+                        want[shape.k_byte(h, d, first + i)..][..2].copy_from_slice(&k[e].to_le_bytes());
+                        want[shape.v_byte(h, first + i, d)..][..2].copy_from_slice(&v[e].to_le_bytes());
+                    }
+                }
+            }
+            for h in 0..kv_heads {
+                for d in 0..head_dim {
+                    let at = shape.bound_byte(h, d);
+                    let (mut lo, mut hi) = (bits_at(&want, at), bits_at(&want, at + 2));
+                    for i in 0..count {
+                        let b = k[(i * kv_heads + h) * head_dim + d];
+                        let x = decode(b);
+                        if x < decode(lo) || decode(lo).is_nan() {
+                            lo = b;
+                        }
+                        if x > decode(hi) || decode(hi).is_nan() {
+                            hi = b;
+                        }
+                    }
+                    want[at..][..2].copy_from_slice(&lo.to_le_bytes());
+                    want[at + 2..][..2].copy_from_slice(&hi.to_le_bytes());
+                }
+            }
+            prop_assert!(page == want, "the page differs from the rule after writing {} tokens at {}", count, first);
+            first += count;
+        }
+    }
 }

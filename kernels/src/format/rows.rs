@@ -29,43 +29,84 @@ use crate::format::{Format, PageShape};
 /// [`bf16`](struct@bf16) rows an engine already holds. An element is rounded once, to nearest-even,
 /// into the page's format; a 16-bit element written into a page of its own format is copied bit for
 /// bit. The trait is sealed: these three are the types a page's conversion rules are written for.
-pub trait RowElement: Copy + sealed::Sealed {
-    /// The 16-bit pattern of `self` in `format` (f16 or bf16; any other format encodes as f16).
-    fn encode(self, format: Format) -> u16;
-}
+pub trait RowElement: Copy + sealed::Encode {}
+
+impl RowElement for f32 {}
+impl RowElement for f16 {}
+impl RowElement for bf16 {}
 
 mod sealed {
-    pub trait Sealed {}
-    impl Sealed for f32 {}
-    impl Sealed for half::f16 {}
-    impl Sealed for half::bf16 {}
-}
+    use half::slice::HalfFloatSliceExt;
+    use half::{bf16, f16};
 
-impl RowElement for f32 {
-    fn encode(self, format: Format) -> u16 {
-        match format {
-            Format::Bf16 => bf16::from_f32(self).to_bits(),
-            _ => f16::from_f32(self).to_bits(),
+    use crate::format::Format;
+
+    /// The conversion of a [`super::RowElement`] into a 16-bit page's elements.
+    pub trait Encode: Sized {
+        /// The 16-bit pattern of `x` in `format` (f16 or bf16; any other format encodes as f16).
+        fn encode(x: Self, format: Format) -> u16;
+
+        /// [`Encode::encode`] of every element of `src` into `dst` (of the same length).
+        fn encode_slice(src: &[Self], dst: &mut [u16], format: Format)
+        where
+            Self: Copy,
+        {
+            for (d, &x) in dst.iter_mut().zip(src) {
+                *d = Self::encode(x, format);
+            }
         }
     }
-}
 
-impl RowElement for f16 {
-    fn encode(self, format: Format) -> u16 {
-        match format {
-            // f16 → f32 is exact, so this rounds once, from the f16 value.
-            Format::Bf16 => bf16::from_f32(self.to_f32()).to_bits(),
-            _ => self.to_bits(),
+    impl Encode for f32 {
+        fn encode(x: f32, format: Format) -> u16 {
+            match format {
+                Format::Bf16 => bf16::from_f32(x).to_bits(),
+                _ => f16::from_f32(x).to_bits(),
+            }
+        }
+
+        fn encode_slice(src: &[f32], dst: &mut [u16], format: Format) {
+            match format {
+                Format::Bf16 => {
+                    for (d, &x) in dst.iter_mut().zip(src) {
+                        *d = bf16::from_f32(x).to_bits();
+                    }
+                }
+                // Eight at a time with F16C where the CPU has it; the same rounding.
+                _ => half::slice::HalfBitsSliceExt::reinterpret_cast_mut::<f16>(dst).convert_from_f32_slice(src),
+            }
         }
     }
-}
 
-impl RowElement for bf16 {
-    fn encode(self, format: Format) -> u16 {
+    impl Encode for f16 {
+        fn encode(x: f16, format: Format) -> u16 {
+            match format {
+                // f16 → f32 is exact, so this rounds once, from the f16 value.
+                Format::Bf16 => bf16::from_f32(x.to_f32()).to_bits(),
+                _ => x.to_bits(),
+            }
+        }
+    }
+
+    impl Encode for bf16 {
+        fn encode(x: bf16, format: Format) -> u16 {
+            match format {
+                Format::Bf16 => x.to_bits(),
+                // bf16 → f32 is exact, so this rounds once, from the bf16 value.
+                _ => f16::from_f32(x.to_f32()).to_bits(),
+            }
+        }
+    }
+
+    /// Decodes 16-bit elements of `format` to `f32`, exactly (eight at a time with F16C).
+    pub fn decode_slice(format: Format, src: &[u16], dst: &mut [f32]) {
         match format {
-            Format::Bf16 => self.to_bits(),
-            // bf16 → f32 is exact, so this rounds once, from the bf16 value.
-            _ => f16::from_f32(self.to_f32()).to_bits(),
+            Format::Bf16 => {
+                for (d, &b) in dst.iter_mut().zip(src) {
+                    *d = f32::from_bits(u32::from(b) << 16);
+                }
+            }
+            _ => half::slice::HalfBitsSliceExt::reinterpret_cast::<f16>(src).convert_to_f32_slice(dst),
         }
     }
 }
@@ -117,7 +158,30 @@ fn load(page: &[u8], at: usize) -> u16 {
     u16::from_le_bytes([page[at], page[at + 1]])
 }
 
-/// The one row writer behind every public entry point.
+/// Channels of one KV head converted and compared together: whole heads of the usual sizes (64,
+/// 128) in one or two steps, on the stack.
+const CHANNELS: usize = 64;
+
+/// Widens running per-channel bounds (values and their bits) to `keys` (with their `bits`): a key
+/// replaces a bound it passes or a NaN bound; comparisons with a NaN key are false, so it never
+/// enters. Branch-free, so the compiler can run it on vectors.
+fn widen(keys: &[f32], bits: &[u16], lo: (&mut [f32], &mut [u16]), hi: (&mut [f32], &mut [u16])) {
+    let (lo, hi) = (lo.0.iter_mut().zip(lo.1.iter_mut()), hi.0.iter_mut().zip(hi.1.iter_mut()));
+    for (((&x, &b), (l, lb)), (u, ub)) in keys.iter().zip(bits).zip(lo).zip(hi) {
+        let below = x < *l || l.is_nan();
+        let above = x > *u || u.is_nan();
+        *l = if below { x } else { *l };
+        *lb = if below { b } else { *lb };
+        *u = if above { x } else { *u };
+        *ub = if above { b } else { *ub };
+    }
+}
+
+/// The one row writer behind every public entry point. Per KV head and run of [`CHANNELS`]
+/// channels, token by token: the values converted into their contiguous row, the keys converted and
+/// spread over their channel-major places, and the key bounds widened to the keys as stored (NaN
+/// keys never enter; a NaN bound, a corrupt summary, is replaced by the first key), in token order
+/// per channel.
 fn write_rows_impl<E: RowElement>(
     shape: PageShape,
     format: Format,
@@ -128,43 +192,46 @@ fn write_rows_impl<E: RowElement>(
 ) -> Result<(), KernelError> {
     let count = check_rows(shape, format, page, first_token, k.len(), v.len())?;
     let (heads, dim) = (shape.kv_heads, shape.head_dim);
-    for i in 0..count {
-        let slot = first_token + i;
-        for h in 0..heads {
-            let row = (i * heads + h) * dim;
-            for d in 0..dim {
-                store(page, shape.k_byte(h, d, slot), k[row + d].encode(format));
-                store(page, shape.v_byte(h, slot, d), v[row + d].encode(format));
+    // Consecutive channels of one token lie this far apart among the keys.
+    let channel_stride = 2 * shape.block_tokens;
+    let mut bits = [0u16; CHANNELS];
+    let mut keys = [0f32; CHANNELS];
+    let (mut lo_bits, mut hi_bits) = ([0u16; CHANNELS], [0u16; CHANNELS]);
+    let (mut lo, mut hi) = ([0f32; CHANNELS], [0f32; CHANNELS]);
+    for h in 0..heads {
+        for d0 in (0..dim).step_by(CHANNELS) {
+            let n = CHANNELS.min(dim - d0);
+            for j in 0..n {
+                let at = shape.bound_byte(h, d0 + j);
+                (lo_bits[j], hi_bits[j]) = (load(page, at), load(page, at + 2));
+            }
+            sealed::decode_slice(format, &lo_bits[..n], &mut lo[..n]);
+            sealed::decode_slice(format, &hi_bits[..n], &mut hi[..n]);
+            for i in 0..count {
+                let slot = first_token + i;
+                let row = (i * heads + h) * dim + d0;
+                E::encode_slice(&v[row..row + n], &mut bits[..n], format);
+                let at = shape.v_byte(h, slot, d0);
+                for (dst, b) in page[at..at + 2 * n].chunks_exact_mut(2).zip(&bits[..n]) {
+                    dst.copy_from_slice(&b.to_le_bytes());
+                }
+                E::encode_slice(&k[row..row + n], &mut bits[..n], format);
+                let at = shape.k_byte(h, d0, slot);
+                let places = page[at..at + (n - 1) * channel_stride + 2].chunks_mut(channel_stride);
+                for (dst, b) in places.zip(&bits[..n]) {
+                    dst[..2].copy_from_slice(&b.to_le_bytes());
+                }
+                sealed::decode_slice(format, &bits[..n], &mut keys[..n]);
+                widen(&keys[..n], &bits[..n], (&mut lo[..n], &mut lo_bits[..n]), (&mut hi[..n], &mut hi_bits[..n]));
+            }
+            for j in 0..n {
+                let at = shape.bound_byte(h, d0 + j);
+                store(page, at, lo_bits[j]);
+                store(page, at + 2, hi_bits[j]);
             }
         }
     }
-    widen_bounds(shape, format, page, first_token..first_token + count);
     Ok(())
-}
-
-/// Widens the key bounds of every channel to include the keys now stored in `slots`.
-fn widen_bounds(shape: PageShape, format: Format, page: &mut [u8], slots: std::ops::Range<usize>) {
-    for h in 0..shape.kv_heads {
-        for d in 0..shape.head_dim {
-            let at = shape.bound_byte(h, d);
-            let (mut lo, mut hi) = (load(page, at), load(page, at + 2));
-            let (mut lo_x, mut hi_x) = (decode(format, lo), decode(format, hi));
-            for t in slots.clone() {
-                let bits = load(page, shape.k_byte(h, d, t));
-                let x = decode(format, bits);
-                // Comparisons with NaN are false: NaN keys never enter, and a NaN bound (a corrupt
-                // summary) is replaced by the first key.
-                if x < lo_x || lo_x.is_nan() {
-                    (lo, lo_x) = (bits, x);
-                }
-                if x > hi_x || hi_x.is_nan() {
-                    (hi, hi_x) = (bits, x);
-                }
-            }
-            store(page, at, lo);
-            store(page, at + 2, hi);
-        }
-    }
 }
 
 /// Writes `n` tokens of key and value rows into token slots `first_token..first_token + n` of
