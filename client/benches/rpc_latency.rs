@@ -1,5 +1,6 @@
-//! RPC latency against a real kvmmd: `Extend` (one batch of one page for every layer) and `Attach`
-//! end to end (the RPC, the fd handshake over SCM_RIGHTS, and mapping the three memfds).
+//! RPC latency against a real kvmmd: `Extend` (one page for every layer, and a 4,096-token prompt's
+//! 128 pages for every layer at once) and `Attach` end to end (the RPC, the fd handshake over
+//! SCM_RIGHTS, and mapping the three memfds).
 //!
 //! ```text
 //! cargo build --release -p kvmm-daemon && cargo bench -p kvmm-client --bench rpc_latency
@@ -81,6 +82,24 @@ fn main() {
     }
     percentiles("Extend, 1 block × 30 layers, cold arena", cold.unwrap());
     percentiles("Extend, 1 block × 30 layers, frames reused", extend);
+
+    // What `Session::append` asks for a 4,096-token prompt: its 128 blocks in one RPC.
+    let mut prompt = Vec::new();
+    for _ in 0..100 {
+        let s = client
+            .block_on(rpc.attach(pb::AttachRequest {
+                geometry: Some(kvmm_client::session::geometry_to_pb(&smollm2)),
+                model_id: "bench".into(),
+                ..Default::default()
+            }))
+            .unwrap()
+            .into_inner();
+        let t = Instant::now();
+        client.block_on(rpc.extend(pb::ExtendRequest { session_id: s.session_id, blocks: 128 })).unwrap();
+        prompt.push(t.elapsed());
+        client.block_on(rpc.detach(pb::DetachRequest { session_id: s.session_id })).unwrap();
+    }
+    percentiles("Extend, 128 blocks × 30 layers, frames reused", prompt);
 
     let mut stats = Vec::new();
     let s = client.attach(smollm2).unwrap();

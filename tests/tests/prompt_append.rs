@@ -1,0 +1,124 @@
+//! An engine appends a whole prompt in one call: `Session::append` asks for every page the prompt
+//! ends in with one `Extend` (not one RPC per batch of pages), and the pages hold what token-by-token
+//! appends would have left, bit for bit. Where the budget runs out partway through the prompt, the
+//! client falls back to asking page by page: the tokens that fit in the pages it could have stay
+//! appended and are read correctly, the call fails with `RESOURCE_EXHAUSTED` naming the device
+//! tier, and once room is made the rest of the prompt goes on from there.
+
+#![allow(clippy::unwrap_used)]
+
+use kvmm_client::{Client, Geometry, Session};
+use kvmm_kernels::reference_attention_f32;
+use kvmm_tests::Daemon;
+
+const LAYERS: u32 = 2;
+const KV: usize = 3;
+const Q: usize = 9;
+const DIM: usize = 64;
+const ROW: usize = KV * DIM;
+
+fn geometry() -> Geometry {
+    Geometry::new(LAYERS, KV as u32, Q as u32, DIM as u32, 4096)
+}
+
+/// Values f16 holds exactly (multiples of 1/64 in [-2, 2]), so a reference over the f32 rows sees
+/// what the pages hold.
+fn rows(tokens: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..tokens * ROW)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state % 257) as f32 - 128.0) / 64.0
+        })
+        .collect()
+}
+
+fn attend(session: &mut Session, layer: u32, q: &[f32]) -> Vec<f32> {
+    let mut out = vec![0.0; Q * DIM];
+    session.attention(layer, q, &mut out).unwrap();
+    out
+}
+
+/// The worst error of `got` relative to each head's largest reference output.
+fn worst_error(got: &[f32], k: &[f32], v: &[f32], q: &[f32]) -> f64 {
+    let mut want = vec![0.0f32; Q * DIM];
+    reference_attention_f32(Q, KV, DIM, q, k, v, 1.0 / (DIM as f32).sqrt(), &mut want).unwrap();
+    let mut worst = 0.0f64;
+    for (g, w) in got.chunks(DIM).zip(want.chunks(DIM)) {
+        let largest = w.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-30);
+        for (a, b) in g.iter().zip(w) {
+            worst = worst.max(f64::from((a - b).abs() / largest));
+        }
+    }
+    worst
+}
+
+#[test]
+fn a_prompt_in_one_call_fills_the_pages_token_by_token_appends_would() {
+    let daemon = Daemon::start(&["--device-budget", "64MiB"]);
+    let client = Client::connect(daemon.socket()).unwrap();
+    let (k, v) = (rows(1000, 1), rows(1000, 2));
+    let q = rows(3, 3)[..Q * DIM].to_vec();
+    let mut prompt = client.attach(geometry()).unwrap();
+    let mut stepped = client.attach(geometry()).unwrap();
+    for layer in 0..LAYERS {
+        prompt.append(layer, &k, &v).unwrap();
+        for t in 0..1000 {
+            stepped.append(layer, &k[t * ROW..(t + 1) * ROW], &v[t * ROW..(t + 1) * ROW]).unwrap();
+        }
+    }
+    // 1,000 tokens end in block 31: the prompt holds exactly its 32 pages a layer.
+    assert_eq!(prompt.allocated_blocks(), 32);
+    for layer in 0..LAYERS {
+        assert_eq!(prompt.tokens(layer), 1000);
+        let out = attend(&mut prompt, layer, &q);
+        assert_eq!(out, attend(&mut stepped, layer, &q), "layer {layer}: the same pages, the same bits");
+        assert!(worst_error(&out, &k, &v, &q) < 1e-5);
+    }
+    prompt.detach().unwrap();
+    stepped.detach().unwrap();
+    assert!(daemon.stop().success());
+}
+
+#[test]
+fn a_prompt_past_the_budget_keeps_what_fits_and_goes_on_once_room_is_made() {
+    // No DRAM tier: nothing can be demoted to make room, so the device budget is a hard wall.
+    let daemon = Daemon::start(&["--device-budget", "2MiB", "--dram-budget", "0"]);
+    let client = Client::connect(daemon.socket()).unwrap();
+    // Another session holds part of the budget.
+    let mut other = client.attach(geometry()).unwrap();
+    let filler = rows(200, 9);
+    other.append(0, &filler, &filler).unwrap();
+
+    let (k, v) = (rows(4000, 4), rows(4000, 5));
+    let q = rows(3, 6)[..Q * DIM].to_vec();
+    let mut session = client.attach(geometry()).unwrap();
+    let err = session.append(0, &k, &v).unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
+    assert!(err.to_string().contains("device"), "{err}");
+    let kept = session.tokens(0) as usize;
+    let pages = session.allocated_blocks() as usize;
+    println!("kept {kept} tokens in {pages} pages a layer: {err}");
+    assert!(kept > 0 && kept < 4000, "some of the prompt fit, not all: {kept}");
+    assert_eq!(kept, pages * 32, "every page it could have is full");
+    assert_eq!(session.tokens(1), 0);
+    let out = attend(&mut session, 0, &q);
+    let worst = worst_error(&out, &k[..kept * ROW], &v[..kept * ROW], &q);
+    assert!(worst < 1e-5, "attention over the kept tokens: {worst}");
+    // Nothing more fits: the same call fails again and changes nothing.
+    let again = session.append(0, &k[kept * ROW..], &v[kept * ROW..]).unwrap_err();
+    assert_eq!(again.code(), tonic::Code::ResourceExhausted);
+    assert_eq!(session.tokens(0) as usize, kept);
+
+    // Room made, the prompt goes on where it stopped.
+    other.detach().unwrap();
+    let more = (kept + 200).min(4000);
+    session.append(0, &k[kept * ROW..more * ROW], &v[kept * ROW..more * ROW]).unwrap();
+    assert_eq!(session.tokens(0) as usize, more);
+    let out = attend(&mut session, 0, &q);
+    assert!(worst_error(&out, &k[..more * ROW], &v[..more * ROW], &q) < 1e-5);
+    session.detach().unwrap();
+    assert!(daemon.stop().success());
+}
