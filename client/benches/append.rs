@@ -1,7 +1,10 @@
 //! Appending K/V through a real kvmmd, the whole client path: `Extend` RPCs for new pages, pins,
 //! the row writes into the shared frames. SmolLM2-135M's geometry (30 layers, 3 KV heads × 64):
 //!
-//! - prefill: 4,096 tokens a layer in one `append` per layer (an engine that computed a prompt);
+//! - prefill: 4,096 tokens a layer in one `append` per layer (an engine that computed a prompt): one
+//!   `Extend` for the prompt's 128 pages a layer;
+//! - the same prompt in calls of 128 tokens: an `Extend` of 4 pages a layer each, the RPCs a whole
+//!   prompt took before `append` asked for all its pages at once;
 //! - decode: 1,024 tokens, one `append` of one token per layer per token.
 //!
 //! ```text
@@ -17,7 +20,7 @@ mod support;
 
 use std::time::Instant;
 
-use kvmm_client::{Client, ElementType, Geometry};
+use kvmm_client::Client;
 
 const LAYERS: u32 = 30;
 const ROW: usize = 3 * 64;
@@ -30,16 +33,8 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     let daemon = support::start(dir.path(), &["--device-budget", "2GiB", "--log", "warn"]);
     let client = Client::connect(dir.path().join("kvmm.sock")).unwrap();
-    let geometry = Geometry {
-        layers: LAYERS,
-        kv_heads: 3,
-        q_heads: 9,
-        head_dim: 64,
-        block_tokens: 32,
-        element_type: ElementType::F16,
-        max_tokens: 8192,
-    };
-    for (name, tokens, per_call) in [("prefill", 4096usize, 4096usize), ("decode", 1024, 1)] {
+    let geometry = support::smollm2(8192);
+    for (name, tokens, per_call) in [("prefill", 4096usize, 4096usize), ("prefill", 4096, 128), ("decode", 1024, 1)] {
         let k: Vec<f32> = (0..tokens * ROW).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
         let mut best = f64::INFINITY;
         for _ in 0..runs {

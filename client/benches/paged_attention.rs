@@ -14,8 +14,12 @@
 //!
 //! `cargo bench -p kvmm-client --bench paged_attention`
 
+mod support;
+
+use support::best_seconds;
+
 use std::hint::black_box;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use criterion::{Criterion, Throughput};
 use half::f16;
@@ -131,20 +135,6 @@ impl Case {
                 .expect("frames lie inside the mapping")
         })
     }
-}
-
-/// Best (smallest) wall time of `runs` calls of `f`, after one warm-up call. The minimum rather than
-/// the median: on a shared machine (other builds running) most of the spread is time spent waiting
-/// for a core, which only ever adds.
-fn best_seconds(runs: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    (0..runs)
-        .map(|_| {
-            let start = Instant::now();
-            f();
-            start.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
 }
 
 fn main() {

@@ -15,7 +15,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use kvmm_client::{Client, ElementType, Geometry, proto as pb};
+use kvmm_client::{Client, Geometry, proto as pb};
 
 fn percentiles(name: &str, mut samples: Vec<Duration>) {
     samples.sort_unstable();
@@ -30,6 +30,20 @@ fn percentiles(name: &str, mut samples: Vec<Duration>) {
     );
 }
 
+/// An `Attach` RPC alone (no fds, no mappings): the session's id and shape.
+fn attach_raw(
+    client: &Client,
+    rpc: &mut pb::session_client::SessionClient<tonic::transport::Channel>,
+    geometry: &Geometry,
+) -> pb::AttachResponse {
+    let request = pb::AttachRequest {
+        geometry: Some(kvmm_client::session::geometry_to_pb(geometry)),
+        model_id: "bench".into(),
+        ..Default::default()
+    };
+    client.block_on(rpc.attach(request)).unwrap().into_inner()
+}
+
 fn main() {
     // `cargo bench` passes --bench; a test run of benches passes nothing useful either way.
     let dir = tempfile::tempdir().unwrap();
@@ -38,15 +52,7 @@ fn main() {
     let client = Client::connect(&socket).unwrap();
 
     // SmolLM2-135M: 30 layers, 3 KV heads, 9 query heads, head_dim 64: a 24 KiB page per layer.
-    let smollm2 = Geometry {
-        layers: 30,
-        kv_heads: 3,
-        q_heads: 9,
-        head_dim: 64,
-        block_tokens: 32,
-        element_type: ElementType::F16,
-        max_tokens: 8192,
-    };
+    let smollm2 = support::smollm2(8192);
 
     let mut attach = Vec::new();
     for _ in 0..300 {
@@ -61,14 +67,7 @@ fn main() {
     let mut extend = Vec::new();
     let mut cold = None;
     while extend.len() < 4000 {
-        let s = client
-            .block_on(rpc.attach(pb::AttachRequest {
-                geometry: Some(kvmm_client::session::geometry_to_pb(&smollm2)),
-                model_id: "bench".into(),
-                ..Default::default()
-            }))
-            .unwrap()
-            .into_inner();
+        let s = attach_raw(&client, &mut rpc, &smollm2);
         for _ in 0..s.blocks_per_layer {
             let t = Instant::now();
             client.block_on(rpc.extend(pb::ExtendRequest { session_id: s.session_id, blocks: 1 })).unwrap();
@@ -86,14 +85,7 @@ fn main() {
     // What `Session::append` asks for a 4,096-token prompt: its 128 blocks in one RPC.
     let mut prompt = Vec::new();
     for _ in 0..100 {
-        let s = client
-            .block_on(rpc.attach(pb::AttachRequest {
-                geometry: Some(kvmm_client::session::geometry_to_pb(&smollm2)),
-                model_id: "bench".into(),
-                ..Default::default()
-            }))
-            .unwrap()
-            .into_inner();
+        let s = attach_raw(&client, &mut rpc, &smollm2);
         let t = Instant::now();
         client.block_on(rpc.extend(pb::ExtendRequest { session_id: s.session_id, blocks: 128 })).unwrap();
         prompt.push(t.elapsed());

@@ -30,6 +30,10 @@
 //! their number. Without it, a context smaller than the last-level cache (every SmolLM2 case,
 //! Llama-3-8B at 4k) is read from the cache, over and over.
 
+mod support;
+
+use support::best_seconds;
+
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -244,20 +248,6 @@ fn stream_sum_portable(bytes: &[u8]) -> u64 {
 #[target_feature(enable = "avx512f")]
 unsafe fn stream_sum_avx512(bytes: &[u8]) -> u64 {
     stream_sum_portable(bytes)
-}
-
-/// Best (smallest) wall time of `runs` calls of `f`, after one warm-up call. The minimum rather than
-/// the median: on a shared machine (other builds running) most of the spread is time spent waiting
-/// for a core, which only ever adds.
-fn best_seconds(runs: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    (0..runs)
-        .map(|_| {
-            let start = Instant::now();
-            f();
-            start.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
 }
 
 fn main() {

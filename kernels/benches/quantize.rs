@@ -12,6 +12,10 @@
 //! `KVMM_BENCH_RUNS=300` for the best of more runs than 100, `KVMM_BENCH_DEQUANTIZE=smollm2/q4` for
 //! that format's two dequantize figures alone)
 
+mod support;
+
+use support::best_seconds;
+
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -24,18 +28,6 @@ use rand::{RngExt, SeedableRng};
 
 const PAGES: usize = 64;
 const BLOCK_TOKENS: usize = 32;
-
-/// Best (smallest) wall time of `runs` calls of `f`, after one warm-up call.
-fn best_seconds(runs: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    (0..runs)
-        .map(|_| {
-            let start = Instant::now();
-            f();
-            start.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
-}
 
 fn main() {
     // Only under `cargo bench` (not `cargo test`, which runs bench targets without `--bench`).

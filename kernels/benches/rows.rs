@@ -2,14 +2,19 @@
 //! widened), one thread, in elements per second (an element is one K or V value): a whole page of
 //! 32 tokens per call (prefill) and one token per call (decode), from f32 rows into f16 and bf16
 //! pages and from f16 rows into an f16 page, for the SmolLM2 (3 × 64) and Llama-3-8B (8 × 128)
-//! shapes. 64 pages cycled, in cache.
+//! shapes. 64 pages cycled, in cache. Beside each, the same write element by element (the rule the
+//! writer implements and how it was written before: each element converted alone, put in place,
+//! then a second pass over the stored keys for the bounds), for the ratio within one run.
 //!
 //! `cargo bench -p kvmm-kernels --bench rows` (`KVMM_BENCH_RUNS=300` for the best of more runs)
 
-use std::hint::black_box;
-use std::time::Instant;
+mod support;
 
-use half::f16;
+use support::best_seconds;
+
+use std::hint::black_box;
+
+use half::{bf16, f16};
 use kvmm_kernels::{Format, PageShape, RowElement, init_page, write_rows};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -17,20 +22,71 @@ use rand::{RngExt, SeedableRng};
 const PAGES: usize = 64;
 const BLOCK_TOKENS: usize = 32;
 
-/// Best (smallest) wall time of `runs` calls of `f`, after one warm-up call.
-fn best_seconds(runs: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    (0..runs)
-        .map(|_| {
-            let start = Instant::now();
-            f();
-            start.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
+/// An element the element-by-element writer converts alone.
+trait Element: RowElement {
+    fn bits(self, format: Format) -> u16;
+}
+
+impl Element for f32 {
+    fn bits(self, format: Format) -> u16 {
+        if format == Format::Bf16 { bf16::from_f32(self).to_bits() } else { f16::from_f32(self).to_bits() }
+    }
+}
+
+impl Element for f16 {
+    fn bits(self, format: Format) -> u16 {
+        if format == Format::Bf16 { bf16::from_f32(self.to_f32()).to_bits() } else { self.to_bits() }
+    }
+}
+
+fn decode(format: Format, bits: u16) -> f32 {
+    if format == Format::Bf16 { bf16::from_bits(bits).to_f32() } else { f16::from_bits(bits).to_f32() }
+}
+
+fn put(page: &mut [u8], at: usize, bits: u16) {
+    page[at..at + 2].copy_from_slice(&bits.to_le_bytes());
+}
+
+fn get(page: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([page[at], page[at + 1]])
+}
+
+/// `write_rows` element by element: the baseline.
+fn element_by_element<E: Element>(shape: PageShape, format: Format, page: &mut [u8], first: usize, k: &[E], v: &[E]) {
+    let (heads, dim) = (shape.kv_heads, shape.head_dim);
+    let count = k.len() / (heads * dim);
+    for i in 0..count {
+        for h in 0..heads {
+            let row = (i * heads + h) * dim;
+            for d in 0..dim {
+                put(page, shape.k_byte(h, d, first + i), k[row + d].bits(format));
+                put(page, shape.v_byte(h, first + i, d), v[row + d].bits(format));
+            }
+        }
+    }
+    for h in 0..heads {
+        for d in 0..dim {
+            let at = shape.bound_byte(h, d);
+            let (mut lo, mut hi) = (get(page, at), get(page, at + 2));
+            for t in first..first + count {
+                let bits = get(page, shape.k_byte(h, d, t));
+                let x = decode(format, bits);
+                if x < decode(format, lo) || decode(format, lo).is_nan() {
+                    lo = bits;
+                }
+                if x > decode(format, hi) || decode(format, hi).is_nan() {
+                    hi = bits;
+                }
+            }
+            put(page, at, lo);
+            put(page, at + 2, hi);
+        }
+    }
 }
 
 /// G elements/s of writing `k`/`v` (one page's rows) into every page, `tokens` per call.
-fn measure<E: RowElement>(
+#[allow(clippy::too_many_arguments, reason = "a bench helper")]
+fn measure<E: Element>(
     runs: usize,
     shape: PageShape,
     format: Format,
@@ -38,6 +94,7 @@ fn measure<E: RowElement>(
     k: &[E],
     v: &[E],
     tokens: usize,
+    baseline: bool,
 ) -> f64 {
     let bytes = shape.page_bytes(format);
     let row = shape.kv_heads * shape.head_dim;
@@ -45,7 +102,11 @@ fn measure<E: RowElement>(
         for page in pages.chunks_exact_mut(bytes) {
             for first in (0..BLOCK_TOKENS).step_by(tokens) {
                 let rows = first * row..(first + tokens) * row;
-                write_rows(shape, format, page, first, &k[rows.clone()], &v[rows]).expect("rows fit");
+                if baseline {
+                    element_by_element(shape, format, page, first, &k[rows.clone()], &v[rows]);
+                } else {
+                    write_rows(shape, format, page, first, &k[rows.clone()], &v[rows]).expect("rows fit");
+                }
             }
             black_box(&page);
         }
@@ -59,8 +120,15 @@ fn main() {
         return;
     }
     let runs = std::env::var("KVMM_BENCH_RUNS").ok().and_then(|r| r.parse().ok()).unwrap_or(100);
-    println!("single thread, block_tokens {BLOCK_TOKENS}, {PAGES} pages cycled; G = 1e9 elements");
-    println!("{:<10} {:<12} {:>22} {:>22}", "shape", "rows → page", "32 tokens/call Gelem/s", "1 token/call Gelem/s");
+    println!("single thread, block_tokens {BLOCK_TOKENS}, {PAGES} pages cycled; G elements/s (1e9 per second)");
+    println!(
+        "{:<10} {:<12} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7}",
+        "", "", "32 tokens", "a call", "", "1 token", "a call", ""
+    );
+    println!(
+        "{:<10} {:<12} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7}",
+        "shape", "rows → page", "writer", "by element", "ratio", "writer", "by element", "ratio"
+    );
     for (name, kv_heads, head_dim) in [("smollm2", 3, 64), ("llama3-8b", 8, 128)] {
         let shape = PageShape { kv_heads, head_dim, block_tokens: BLOCK_TOKENS };
         let n = BLOCK_TOKENS * kv_heads * head_dim;
@@ -77,14 +145,23 @@ fn main() {
             for page in pages.chunks_exact_mut(bytes) {
                 init_page(shape, format, page).expect("valid shape");
             }
-            let (whole, single) = if sixteen {
-                let whole = measure(runs, shape, format, &mut pages, &k16, &v16, BLOCK_TOKENS);
-                (whole, measure(runs, shape, format, &mut pages, &k16, &v16, 1))
-            } else {
-                let whole = measure(runs, shape, format, &mut pages, &k, &v, BLOCK_TOKENS);
-                (whole, measure(runs, shape, format, &mut pages, &k, &v, 1))
-            };
-            println!("{name:<10} {label:<12} {whole:>22.3} {single:>22.3}");
+            // Writer and baseline alternate, so a change of the machine's speed hits both.
+            let mut figures = [0.0f64; 4];
+            for (i, (tokens, baseline)) in
+                [(BLOCK_TOKENS, false), (BLOCK_TOKENS, true), (1, false), (1, true)].into_iter().enumerate()
+            {
+                figures[i] = if sixteen {
+                    measure(runs, shape, format, &mut pages, &k16, &v16, tokens, baseline)
+                } else {
+                    measure(runs, shape, format, &mut pages, &k, &v, tokens, baseline)
+                };
+            }
+            let [whole, whole_base, single, single_base] = figures;
+            println!(
+                "{name:<10} {label:<12} {whole:>10.3} {whole_base:>10.3} {:>6.2}× {single:>10.3} {single_base:>10.3} {:>6.2}×",
+                whole / whole_base,
+                single / single_base
+            );
         }
     }
 }

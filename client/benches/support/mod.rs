@@ -1,5 +1,6 @@
 //! What the benches that run a real kvmmd share: finding the binary, starting it in a private
-//! runtime directory, an admin client, Llama-3-8B's KV shape, and stopping it.
+//! runtime directory, an admin client, SmolLM2's and Llama-3-8B's KV shapes, the best of timed
+//! runs, and stopping it.
 
 #![allow(dead_code, reason = "each bench uses a subset")]
 
@@ -8,6 +9,34 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvmm_client::{Client, ElementType, Geometry, proto as pb};
+
+/// Best (smallest) wall time of `runs` calls of `f`, after one warm-up call. The minimum rather than
+/// the median: on a shared machine (other builds running) most of the spread is time spent waiting
+/// for a core, which only ever adds.
+pub fn best_seconds(runs: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    (0..runs)
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// SmolLM2-135M's KV shape: 30 layers, 3 KV heads of 64 channels (9 query heads), 32-token f16
+/// pages.
+pub fn smollm2(max_tokens: u32) -> Geometry {
+    Geometry {
+        layers: 30,
+        kv_heads: 3,
+        q_heads: 9,
+        head_dim: 64,
+        block_tokens: 32,
+        element_type: ElementType::F16,
+        max_tokens,
+    }
+}
 
 /// kvmmd from `$KVMMD_BIN`, else from the target directory beside the running bench.
 pub fn kvmmd() -> PathBuf {
