@@ -1,10 +1,7 @@
 //! Appending K/V through a real kvmmd, the whole client path: `Extend` RPCs for new pages, pins,
 //! the row writes into the shared frames. SmolLM2-135M's geometry (30 layers, 3 KV heads × 64):
 //!
-//! - prefill: 4,096 tokens a layer in one `append` per layer (an engine that computed a prompt): one
-//!   `Extend` for the prompt's 128 pages a layer;
-//! - the same prompt in calls of 128 tokens: an `Extend` of 4 pages a layer each, the RPCs a whole
-//!   prompt took before `append` asked for all its pages at once;
+//! - prefill: 4,096 tokens a layer in one `append` per layer (an engine that computed a prompt);
 //! - decode: 1,024 tokens, one `append` of one token per layer per token.
 //!
 //! ```text
@@ -34,7 +31,7 @@ fn main() {
     let daemon = support::start(dir.path(), &["--device-budget", "2GiB", "--log", "warn"]);
     let client = Client::connect(dir.path().join("kvmm.sock")).unwrap();
     let geometry = support::smollm2(8192);
-    for (name, tokens, per_call) in [("prefill", 4096usize, 4096usize), ("prefill", 4096, 128), ("decode", 1024, 1)] {
+    for (name, tokens, per_call) in [("prefill", 4096usize, 4096usize), ("decode", 1024, 1)] {
         let k: Vec<f32> = (0..tokens * ROW).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
         let mut best = f64::INFINITY;
         for _ in 0..runs {

@@ -82,7 +82,8 @@ fn main() {
     percentiles("Extend, 1 block × 30 layers, cold arena", cold.unwrap());
     percentiles("Extend, 1 block × 30 layers, frames reused", extend);
 
-    // What `Session::append` asks for a 4,096-token prompt: its 128 blocks in one RPC.
+    // A 4,096-token prompt's 128 blocks in one RPC: what asking for a whole prompt's pages at once
+    // would hold the core lock for (`Session::append` asks 4 blocks at a time).
     let mut prompt = Vec::new();
     for _ in 0..100 {
         let s = attach_raw(&client, &mut rpc, &smollm2);

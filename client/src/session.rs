@@ -456,21 +456,13 @@ impl Session {
             )));
         }
         let bt = self.geometry.block_tokens;
-        // The pages this append ends in: asked for in one `Extend` (a prompt of thousands of tokens
-        // is one RPC, not one per batch), or page by page where they do not all fit.
-        let end_block = ((have + n).div_ceil(u64::from(bt))) as u32;
         let mut done = 0usize;
         while done < n as usize {
             let t = self.tokens[layer as usize];
             let (block, slot) = (t / bt, t % bt);
             let take = ((bt - slot) as usize).min(n as usize - done);
             if block >= self.allocated_blocks {
-                match self.extend_to(end_block) {
-                    Err(e) if e.code() == tonic::Code::ResourceExhausted && end_block > block + 1 => {
-                        self.extend_to(block + 1)?
-                    }
-                    other => other?,
-                }
+                self.extend_to(block + 1)?;
             }
             let written = self.write_pinned(
                 layer,

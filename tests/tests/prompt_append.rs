@@ -1,9 +1,8 @@
-//! An engine appends a whole prompt in one call: `Session::append` asks for every page the prompt
-//! ends in with one `Extend` (not one RPC per batch of pages), and the pages hold what token-by-token
-//! appends would have left, bit for bit. Where the budget runs out partway through the prompt, the
-//! client falls back to asking page by page: the tokens that fit in the pages it could have stay
-//! appended and are read correctly, the call fails with `RESOURCE_EXHAUSTED` naming the device
-//! tier, and once room is made the rest of the prompt goes on from there.
+//! An engine appends a whole prompt in one call: the pages hold what token-by-token appends would
+//! have left, bit for bit. Where the budget runs out partway through the prompt, the tokens that fit
+//! in the pages the client could have stay appended and are read correctly, the call fails with
+//! `RESOURCE_EXHAUSTED` naming the device tier, and once room is made the rest of the prompt goes
+//! on from there.
 
 #![allow(clippy::unwrap_used)]
 
