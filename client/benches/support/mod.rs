@@ -27,15 +27,7 @@ pub fn best_seconds(runs: usize, mut f: impl FnMut()) -> f64 {
 /// SmolLM2-135M's KV shape: 30 layers, 3 KV heads of 64 channels (9 query heads), 32-token f16
 /// pages.
 pub fn smollm2(max_tokens: u32) -> Geometry {
-    Geometry {
-        layers: 30,
-        kv_heads: 3,
-        q_heads: 9,
-        head_dim: 64,
-        block_tokens: 32,
-        element_type: ElementType::F16,
-        max_tokens,
-    }
+    Geometry::new(30, 3, 9, 64, max_tokens)
 }
 
 /// kvmmd from `$KVMMD_BIN`, else from the target directory beside the running bench.
