@@ -11,7 +11,8 @@
 #
 #   $prefix/bin/kvmmd, $prefix/bin/kvmmctl                          0755
 #   $prefix/lib/libkvmm.so                                          0755, the C API (capi/)
-#   $prefix/include/kvmm.h, $prefix/lib/pkgconfig/kvmm.pc           0644
+#   $prefix/lib/libkvmm.a                                           0644, the same, to link statically
+#   $prefix/include/kvmm.h, $prefix/lib/pkgconfig/kvmm{,-static}.pc 0644
 #   PYTHONDIR/kvmm.py                                               0644, the Python binding
 #   $prefix/lib/systemd/system/kvmmd{,-fd,-admin}.socket, kvmmd.service 0644
 #   $prefix/lib/systemd/system/kvmmd.service.d/50-systemd-254.conf  0644, only for systemd >= 254
@@ -34,7 +35,7 @@
 #
 # --destdir DIR        stage everything under DIR (packaging, tests); touches nothing else
 # --no-build           never run cargo; install the binaries that are there
-# --bindir-from DIR    take kvmmd, kvmmctl and libkvmm.so from DIR (also $KVMM_BIN_DIR) instead of
+# --bindir-from DIR    take kvmmd, kvmmctl, libkvmm.so and libkvmm.a from DIR (also $KVMM_BIN_DIR) instead of
 #                      ${CARGO_TARGET_DIR:-target}/release; implies --no-build
 # --systemd-version N  decide about the systemd 254 drop-in for N instead of `systemctl --version`
 # --python-dir DIR     install the Python module kvmm.py into DIR (`none`: leave it out)
@@ -122,6 +123,10 @@ docdir="$prefix/share/doc/kvmm"
 library="$prefix/lib/libkvmm.so"
 header="$prefix/include/kvmm.h"
 pkgconfig="$prefix/lib/pkgconfig/kvmm.pc"
+pkgconfig_static="$prefix/lib/pkgconfig/kvmm-static.pc"
+static_library="$prefix/lib/libkvmm.a"
+# What libkvmm.a needs from the system (`rustc --print native-static-libs` for kvmm-capi).
+native_static_libs="-lgcc_s -lutil -lrt -lpthread -lm -ldl -lc"
 
 # The first directory the python3 on PATH imports packages from under $prefix/lib/; empty if none.
 python_site() {
@@ -149,7 +154,8 @@ next_steps=(
 
 # Every file install puts in place (without $destdir), so uninstall removes exactly those.
 installed_files() {
-  printf '%s\n' "$prefix/bin/kvmmd" "$prefix/bin/kvmmctl" "$library" "$header" "$pkgconfig"
+  printf '%s\n' "$prefix/bin/kvmmd" "$prefix/bin/kvmmctl" "$library" "$static_library" "$header" \
+    "$pkgconfig" "$pkgconfig_static"
   [[ -z "$python_module" ]] || printf '%s\n' "$python_module"
   local unit
   for unit in "${units[@]}"; do printf '%s\n' "$unitdir/$unit"; done
@@ -171,13 +177,13 @@ host_systemd_version() {
 }
 
 # What install takes from the build directory, and the command that builds it.
-built=(kvmmd kvmmctl libkvmm.so)
+built=(kvmmd kvmmctl libkvmm.so libkvmm.a)
 cargo_build="cargo build --release --locked -p kvmm-daemon -p kvmm-ctl -p kvmm-capi"
 
 build_binaries() {
   local bindir="$1" stale="" bin
   for bin in "${built[@]}"; do
-    if [[ ! -x "$bindir/$bin" ]]; then
+    if [[ ! -f "$bindir/$bin" ]]; then
       stale="$bindir/$bin is missing"
       break
     fi
@@ -209,8 +215,10 @@ do_install() {
   fi
   local bin
   for bin in "${built[@]}"; do
-    [[ -x "$bindir/$bin" ]] ||
+    [[ "$bin" == *.a || -x "$bindir/$bin" ]] ||
       die "$bindir/$bin is not an executable: build it ($cargo_build) or name its directory with --bindir-from"
+    [[ -f "$bindir/$bin" ]] ||
+      die "$bindir/$bin is missing: build it ($cargo_build) or name its directory with --bindir-from"
   done
   local f
   for f in capi/include/kvmm.h capi/python/kvmm.py; do
@@ -248,7 +256,22 @@ Libs: -L\${libdir} -lkvmm
 Cflags: -I\${includedir}
 PC
   install -D -m 0644 "$tmp/kvmm.pc" "$destdir$pkgconfig"
-  say "installed the C API: $destdir$library, $destdir$header and $destdir$pkgconfig"
+  # The static library holds the Rust standard library too; what that needs from the system is
+  # what rustc prints with --print native-static-libs for a staticlib on linux-gnu.
+  install -D -m 0644 "$bindir/libkvmm.a" "$destdir$static_library"
+  cat >"$tmp/kvmm-static.pc" <<PC
+prefix=$prefix
+libdir=\${prefix}/lib
+includedir=\${prefix}/include
+
+Name: kvmm-static
+Description: C API of the kvmm client library, linked statically (libkvmm.a)
+Version: $release
+Libs: -L\${libdir} -l:libkvmm.a $native_static_libs
+Cflags: -I\${includedir}
+PC
+  install -D -m 0644 "$tmp/kvmm-static.pc" "$destdir$pkgconfig_static"
+  say "installed the C API: $destdir$library, $destdir$static_library, $destdir$header, $destdir$pkgconfig and $destdir$pkgconfig_static"
   if [[ -z "$destdir" && "$EUID" -eq 0 ]]; then
     ldconfig || say "ldconfig failed; programs may not find $library until it runs"
   fi

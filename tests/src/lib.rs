@@ -44,7 +44,16 @@ fn profile_dir() -> PathBuf {
 /// The C API's `libkvmm.so` that cargo built for this package: kvmm-capi is a dependency of
 /// kvmm-tests, so its cdylib lands in `deps/` beside the integration tests.
 pub fn libkvmm() -> PathBuf {
-    let library = profile_dir().join("deps").join("libkvmm.so");
+    capi_library("libkvmm.so")
+}
+
+/// The C API's static library, `libkvmm.a`, built beside [`libkvmm`].
+pub fn libkvmm_static() -> PathBuf {
+    capi_library("libkvmm.a")
+}
+
+fn capi_library(file: &str) -> PathBuf {
+    let library = profile_dir().join("deps").join(file);
     assert!(
         library.exists(),
         "{} does not exist: run the tests with `cargo test --workspace`, which builds it",

@@ -4,8 +4,9 @@
 //! installed `/etc/kvmm/kvmmd.toml` is the example with `admin_group` turned on, and the example
 //! documents exactly the keys kvmmd's configuration structs accept; uninstall removes every file but
 //! the operator's configuration (and that too with `--purge`), both actions run twice harmlessly,
-//! `--prefix`/`--sysconfdir` move the paths the units name, the installed C API (library,
-//! header, `kvmm.pc`) builds and runs a C client through `pkg-config`, and the Python binding lands
+//! `--prefix`/`--sysconfdir` move the paths the units name, the installed C API (both libraries,
+//! header, `kvmm.pc` and `kvmm-static.pc`) builds and runs a C client through `pkg-config`, linked
+//! either way (the static one against a real kvmmd with no `libkvmm.so`), and the Python binding lands
 //! where the `python3` of the prefix imports from and finds the installed library.
 //!
 //! Nothing here touches the host's systemd: every run stages into a temporary directory. The checks
@@ -17,8 +18,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
-use kvmm_tests::{libkvmm, workspace_bin};
+use kvmm_tests::{Daemon, libkvmm, libkvmm_static, workspace_bin};
 
 /// The most `systemd-analyze security` may rate kvmmd.service (0 is best, 10 worst).
 const MAX_EXPOSURE: f64 = 2.0;
@@ -63,14 +65,18 @@ fn install_sh(args: &[&str]) -> Run {
     run(Command::new("bash").arg(repo().join("systemd/install.sh")).args(args).env_remove("KVMM_BIN_DIR"))
 }
 
-/// A directory holding `kvmmd`, `kvmmctl` and `libkvmm.so` as install.sh's `--bindir-from` wants
-/// them.
+/// A directory holding `kvmmd`, `kvmmctl`, `libkvmm.so` and `libkvmm.a` as install.sh's
+/// `--bindir-from` wants them.
 fn bin_dir(real: bool) -> tempfile::TempDir {
     let dir = tempfile::Builder::new().prefix("kvmm-bin-").tempdir().unwrap();
-    for name in ["kvmmd", "kvmmctl", "libkvmm.so"] {
+    for name in ["kvmmd", "kvmmctl", "libkvmm.so", "libkvmm.a"] {
         let path = dir.path().join(name);
         if real {
-            let built = if name == "libkvmm.so" { libkvmm() } else { workspace_bin(name) };
+            let built = match name {
+                "libkvmm.so" => libkvmm(),
+                "libkvmm.a" => libkvmm_static(),
+                _ => workspace_bin(name),
+            };
             std::os::unix::fs::symlink(built, &path).unwrap();
         } else {
             // Enough for verify (it checks that ExecStart names an executable) and for uninstall.
@@ -377,8 +383,10 @@ fn uninstall_leaves_only_the_config_until_purge_and_reinstall_keeps_an_edited_co
             ("usr/bin/kvmmd", 0o755),
             ("usr/bin/kvmmctl", 0o755),
             ("usr/lib/libkvmm.so", 0o755),
+            ("usr/lib/libkvmm.a", 0o644),
             ("usr/include/kvmm.h", 0o644),
             ("usr/lib/pkgconfig/kvmm.pc", 0o644),
+            ("usr/lib/pkgconfig/kvmm-static.pc", 0o644),
             ("usr/lib/python3/dist-packages/kvmm.py", 0o644),
             ("usr/lib/systemd/system/kvmmd.service", 0o644),
             ("usr/lib/systemd/system/kvmmd.socket", 0o644),
@@ -473,10 +481,14 @@ fn the_installed_c_api_builds_a_client_through_pkg_config() {
         std::fs::read(usr.join("include/kvmm.h")).unwrap(),
         std::fs::read(repo().join("capi/include/kvmm.h")).unwrap()
     );
-    let pc = std::fs::read_to_string(usr.join("lib/pkgconfig/kvmm.pc")).unwrap();
+    assert_eq!(std::fs::read(usr.join("lib/libkvmm.a")).unwrap(), std::fs::read(libkvmm_static()).unwrap());
     let version = format!("Version: {}\n", env!("CARGO_PKG_VERSION"));
-    for line in ["prefix=/usr\n", "Libs: -L${libdir} -lkvmm\n", "Cflags: -I${includedir}\n", version.as_str()] {
-        assert!(pc.contains(line), "kvmm.pc lacks {line:?}:\n{pc}");
+    for (pc, libs) in [("kvmm.pc", "-lkvmm\n"), ("kvmm-static.pc", "-l:libkvmm.a -lgcc_s")] {
+        let text = std::fs::read_to_string(usr.join("lib/pkgconfig").join(pc)).unwrap();
+        let libs = format!("Libs: -L${{libdir}} {libs}");
+        for line in ["prefix=/usr\n", &libs, "Cflags: -I${includedir}\n", &version] {
+            assert!(text.contains(line), "{pc} lacks {line:?}:\n{text}");
+        }
     }
 
     let found = Command::new("pkg-config").arg("--version").output().is_ok_and(|o| o.status.success());
@@ -486,23 +498,10 @@ fn the_installed_c_api_builds_a_client_through_pkg_config() {
         );
         return;
     }
-    // What a packager's build sees with the staged tree as its sysroot.
-    let flags = run(Command::new("pkg-config")
-        .args(["--cflags", "--libs", "kvmm"])
-        .env("PKG_CONFIG_SYSROOT_DIR", root.path())
-        .env("PKG_CONFIG_LIBDIR", usr.join("lib/pkgconfig")))
-    .ok("pkg-config --cflags --libs kvmm");
-    let flags: Vec<&str> = flags.stdout.split_whitespace().collect();
-    assert!(flags.contains(&"-lkvmm"), "{flags:?}");
+    let flags = pkg_config(root.path(), "kvmm");
+    assert!(flags.contains(&"-lkvmm".to_owned()), "{flags:?}");
     let program = root.path().join("kvmm-c-client");
-    run(Command::new("cc")
-        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pthread"])
-        .arg(repo().join("tests/c/session.c"))
-        .args(&flags)
-        .arg(format!("-Wl,-rpath,{}", usr.join("lib").display()))
-        .args(["-lm", "-o"])
-        .arg(&program))
-    .ok("cc with pkg-config's flags");
+    compile_session_c(&flags, &usr, &program);
     // It runs with the installed library (through its run path: cargo's LD_LIBRARY_PATH, which
     // names the build's copy, removed), and the struct layouts it prints are the header's.
     let out =
@@ -510,6 +509,57 @@ fn the_installed_c_api_builds_a_client_through_pkg_config() {
     assert!(out.stdout.starts_with("kvmm_geometry size 28\n"), "{}", out.stdout);
     let ldd = run(Command::new("ldd").arg(&program).env_remove("LD_LIBRARY_PATH")).ok("ldd");
     assert!(ldd.stdout.contains(&format!("{}", usr.join("lib/libkvmm.so").display())), "{}", ldd.stdout);
+
+    // The same program linked with libkvmm.a through kvmm-static.pc needs no libkvmm.so at all: it
+    // runs with the installed shared library gone, and keeps a session in a real kvmmd across a
+    // process exit.
+    let flags = pkg_config(root.path(), "kvmm-static");
+    assert!(flags.contains(&"-l:libkvmm.a".to_owned()), "{flags:?}");
+    let program = root.path().join("kvmm-c-client-static");
+    compile_session_c(&flags, &usr, &program);
+    std::fs::remove_file(usr.join("lib/libkvmm.so")).unwrap();
+    let needed = run(Command::new("readelf").args(["-d"]).arg(&program)).ok("readelf -d");
+    assert!(needed.stdout.contains("(NEEDED)"), "{}", needed.stdout);
+    assert!(!needed.stdout.contains("libkvmm"), "the static client still needs a libkvmm:\n{}", needed.stdout);
+    let out = run(Command::new(&program).args(["layout", "-"]).env_remove("LD_LIBRARY_PATH")).ok("the static client");
+    assert!(out.stdout.starts_with("kvmm_geometry size 28\n"), "{}", out.stdout);
+
+    let daemon = Daemon::start(&[]);
+    let socket = daemon.socket();
+    let left = run(Command::new(&program).arg("leave").arg(&socket).env_remove("LD_LIBRARY_PATH")).ok("leave");
+    let left = left.stdout.lines().find(|l| l.starts_with("left ")).unwrap_or_else(|| panic!("{}", left.stdout));
+    let words: Vec<&str> = left.split_whitespace().collect();
+    let worst: f64 = words[words.iter().position(|w| *w == "worst").unwrap() + 1].parse().unwrap();
+    assert!(worst < 1e-5, "{left}");
+    daemon.wait_status(Duration::from_secs(10), |s| s.orphaned_sessions == 2);
+    let resumed = run(Command::new(&program).arg("resume").arg(&socket).env_remove("LD_LIBRARY_PATH")).ok("resume");
+    // The same attention over the pages the first process left, bit for bit.
+    let expected = format!("resumed {} {}", words[1], words[2]);
+    assert!(resumed.stdout.lines().any(|l| l == expected), "{expected:?} not in:\n{}", resumed.stdout);
+    daemon.wait_drained();
+}
+
+/// What `pkg-config --cflags --libs NAME` gives a packager's build with the staged tree under
+/// `root` as its sysroot.
+fn pkg_config(root: &Path, name: &str) -> Vec<String> {
+    let flags = run(Command::new("pkg-config")
+        .args(["--cflags", "--libs", name])
+        .env("PKG_CONFIG_SYSROOT_DIR", root)
+        .env("PKG_CONFIG_LIBDIR", root.join("usr/lib/pkgconfig")))
+    .ok(&format!("pkg-config --cflags --libs {name}"));
+    flags.stdout.split_whitespace().map(str::to_owned).collect()
+}
+
+/// Compiles `tests/c/session.c` into `program` with `flags`, with a run path to `usr/lib`.
+fn compile_session_c(flags: &[String], usr: &Path, program: &Path) {
+    run(Command::new("cc")
+        .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-pthread"])
+        .arg(repo().join("tests/c/session.c"))
+        .args(flags)
+        .arg(format!("-Wl,-rpath,{}", usr.join("lib").display()))
+        .args(["-lm", "-o"])
+        .arg(program))
+    .ok(&format!("cc with pkg-config's flags {flags:?}"));
 }
 
 /// `python3`'s answer to `code`, or None where there is no python3.
