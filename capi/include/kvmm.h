@@ -1,5 +1,5 @@
 /*
- * kvmm.h: the C API of the kvmm client library (libkvmm.so, crate kvmm-capi).
+ * kvmm.h: the C API of the kvmm client library (libkvmm.so and libkvmm.a, crate kvmm-capi).
  *
  * An inference process keeps its KV cache in kvmmd: it connects, attaches a session of its
  * model's geometry, appends each token's K and V rows (written in place into shared memory) and
@@ -33,7 +33,10 @@
  * kvmm_resume (kvmm_orphans lists what waits).
  *
  * The library is blocking and owns its own threads; it must not be called from a signal handler.
- * Link with -lkvmm.
+ * Link with -lkvmm (pkg-config kvmm), or statically with libkvmm.a and what it needs from the
+ * system: -lgcc_s -lutil -lrt -lpthread -lm -ldl -lc (pkg-config kvmm-static). The static library
+ * carries the Rust standard library's symbols, so link at most one Rust static library into one
+ * program.
  */
 #ifndef KVMM_H
 #define KVMM_H
@@ -46,8 +49,8 @@ extern "C" {
 #endif
 
 /* The version of this API; kvmm_api_version() returns the library's. Version 2 added
- * kvmm_append16. */
-#define KVMM_API_VERSION 2
+ * kvmm_append16, version 3 kvmm_truncate. */
+#define KVMM_API_VERSION 3
 
 /* Status codes: the gRPC codes. */
 typedef enum kvmm_status {
@@ -192,6 +195,14 @@ int kvmm_append(kvmm_session *session, uint32_t layer, const float *k, const flo
  * infinity). */
 int kvmm_append16(kvmm_session *session, uint32_t layer, uint32_t element, const uint16_t *k, const uint16_t *v,
                   size_t tokens);
+
+/* Takes tokens back: every layer keeps its first `tokens` tokens (a layer holding fewer keeps what it
+ * holds) and the next append continues from there (rejected draft tokens, an answer to
+ * regenerate). The pages past them go back to kvmmd; the page the kept tokens end inside is read
+ * out and written again into a new page (16-bit pages bit for bit, a compressed page as its decoded
+ * values). On KVMM_RESOURCE_EXHAUSTED a layer keeps the tokens before that page
+ * (kvmm_session_tokens says how many). */
+int kvmm_truncate(kvmm_session *session, uint32_t tokens);
 
 /* Decode attention for one query token over every page of a layer (or the page budget's choice):
  * q and out hold q_heads * head_dim floats. */

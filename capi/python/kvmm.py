@@ -26,7 +26,7 @@ import sys
 
 __all__ = ["Client", "Session", "Error", "API_VERSION"]
 
-API_VERSION = 2
+API_VERSION = 3
 
 OK = 0
 ELEMENTS = {"f16": 0, "bf16": 1}
@@ -133,6 +133,7 @@ def _library():
         "kvmm_append16": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, _HALVES, _HALVES,
                                          ctypes.c_size_t]),
         "kvmm_attention": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint32, _FLOATS, _FLOATS]),
+        "kvmm_truncate": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint32]),
         "kvmm_set_scale": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_float]),
         "kvmm_set_page_budget": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]),
         "kvmm_prefetch": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32,
@@ -359,6 +360,13 @@ class Session:
         del keep, holder
         view.release()
         return out
+
+    def truncate(self, tokens):
+        """Takes tokens back: every layer keeps its first `tokens` tokens (fewer if it holds fewer)
+        and the next append continues from there (rejected draft tokens, an answer to regenerate)."""
+        if not isinstance(tokens, int) or not 0 <= tokens < 2**32:
+            raise ValueError(f"tokens must be an int from 0 to 2**32 - 1, not {tokens!r}")
+        _check(self._lib.kvmm_truncate(self._live(), tokens))
 
     def set_scale(self, scale):
         """Sets the softmax scale (default 1 / sqrt(head_dim))."""

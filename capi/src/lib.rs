@@ -1,4 +1,4 @@
-//! The C API of the kvmm client library: `libkvmm.so`, declared in `include/kvmm.h`.
+//! The C API of the kvmm client library: `libkvmm.so` and `libkvmm.a`, declared in `include/kvmm.h`.
 //!
 //! Each function wraps one call of [`kvmm_client`] for a C caller (a llama.cpp-style engine that
 //! keeps its KV cache in kvmmd). The contract the header states, and how it holds here:
@@ -30,8 +30,8 @@ use kvmm_client::session::DEFAULT_EXTEND_BATCH;
 use kvmm_client::{AttachOptions, Client, ElementType, Geometry, ModelShape, Priority, RowElement, Session, bf16, f16};
 use tonic::Code;
 
-/// The API version (`KVMM_API_VERSION` in the header): 2 added `kvmm_append16`.
-pub const API_VERSION: u32 = 2;
+/// The API version (`KVMM_API_VERSION` in the header): 2 added `kvmm_append16`, 3 `kvmm_truncate`.
+pub const API_VERSION: u32 = 3;
 
 /// `KVMM_OK`.
 const OK: c_int = 0;
@@ -709,6 +709,20 @@ pub unsafe extern "C" fn kvmm_wipe(session: *mut KvmmSession, wiped_bytes: *mut 
             unsafe { std::ptr::copy_nonoverlapping(wiped.as_ptr(), wiped_bytes, 3) };
         }
         Ok(())
+    })
+}
+
+/// See `kvmm.h`.
+///
+/// # Safety
+///
+/// `session` is NULL or a live handle no other thread uses.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmm_truncate(session: *mut KvmmSession, tokens: u32) -> c_int {
+    call("kvmm_truncate", || {
+        // SAFETY: per this function's contract.
+        let s = unsafe { required_mut(session, "session") }?;
+        Ok(s.session.truncate(tokens)?)
     })
 }
 

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvmm_kernels::attention::{AttnShape, DecodeAttention, PageView};
-use kvmm_kernels::format::rows::{RowElement, write_rows};
+use kvmm_kernels::format::rows::{RowElement, truncate_rows, write_rows};
 use kvmm_kernels::{Format, PageShape};
 use kvmm_proto::v1 as pb;
 use kvmm_shm::fdpass::{FdRequest, ReceivedReply, SeqpacketConn};
@@ -476,6 +476,158 @@ impl Session {
             done += take;
         }
         Ok(())
+    }
+
+    /// Takes tokens back: every layer keeps its first `tokens` tokens (a layer that holds fewer keeps
+    /// what it holds), and the next [`Session::append`] to a layer continues from there: draft tokens
+    /// a speculative decoder rejected, an answer to regenerate, a prompt edited after its first part.
+    ///
+    /// When the tokens taken back lie in at most `extend_batch` pages a layer, all on the device in
+    /// the session's element type (the usual case for a few draft tokens), the pages are cut in
+    /// place under a pin, with no RPC ([`truncate_rows`]): each is left byte for byte as appending
+    /// only its kept rows would have left it (the slots past them zeroed, the key bounds those of
+    /// the kept keys), and pages left empty stay allocated, as the pages `Extend` reserves ahead.
+    ///
+    /// Otherwise every page past the kept tokens goes back to kvmmd in one `Truncate` (frames zeroed,
+    /// copies in DRAM and flash freed), with the pages reserved ahead. The page the kept tokens end
+    /// inside goes back too: its kept rows are read out first, in whatever format the page is in (a
+    /// compressed page gives its decoded values), and appended again at the session's element type.
+    /// If they cannot be appended again (`RESOURCE_EXHAUSTED`: another session took the room
+    /// meanwhile), the layer keeps the tokens before that page, [`Session::tokens`] says so, and the
+    /// error names what was lost.
+    ///
+    /// Either way the bytes of the tokens taken back are gone from shared memory. A layer whose kept
+    /// tokens end inside a page that eviction dropped (see [`AttachOptions::evict`]) cannot be cut
+    /// there: `FAILED_PRECONDITION`, nothing changed.
+    pub fn truncate(&mut self, tokens: u32) -> Result<()> {
+        if let Ok(status) = self.table.status()
+            && status.is_wiped()
+        {
+            return Err(self.wiped(status));
+        }
+        if self.tokens.iter().all(|&t| t <= tokens) {
+            return Ok(());
+        }
+        let bt = self.geometry.block_tokens;
+        let (block, start) = (tokens / bt, tokens / bt * bt);
+        let end = self.tokens.iter().map(|&t| t.div_ceil(bt)).max().unwrap_or(0);
+        if end - block <= self.extend_batch.max(1) && self.truncate_in_place(tokens)? {
+            return Ok(());
+        }
+        // The kept rows of the page the kept tokens end inside, per layer, read before it goes.
+        let mut rewrite = Vec::new();
+        for layer in 0..self.geometry.layers {
+            let keep = self.tokens[layer as usize].min(tokens);
+            if keep <= start {
+                continue;
+            }
+            if self.is_dropped(layer, block) {
+                return Err(Error::FailedPrecondition(format!(
+                    "cannot keep {tokens} tokens: page ({layer}, {block}), which holds tokens {start}..{} of layer \
+                     {layer}, was dropped by eviction; truncate to {start} tokens or to a count past that page",
+                    start + bt
+                )));
+            }
+            let (k, v) = self.read_rows(layer, block, keep - start)?;
+            rewrite.push((layer, k, v));
+        }
+        let mut rpc = self.inner.rpc.clone();
+        let r = self
+            .inner
+            .runtime
+            .block_on(rpc.truncate(pb::TruncateRequest { session_id: self.id, blocks: block }))?
+            .into_inner();
+        self.allocated_blocks = r.allocated_blocks;
+        for t in &mut self.tokens {
+            *t = (*t).min(start);
+        }
+        for (layer, k, v) in rewrite {
+            let lost = (k.len() / (self.geometry.kv_heads * self.geometry.head_dim) as usize) as u32;
+            if let Err(e) = self.append(layer, &k, &v) {
+                let kept = self.tokens[layer as usize];
+                let what = format!(
+                    "truncate kept {kept} of the {tokens} tokens asked for in layer {layer}: the last {} could not \
+                     be written back into a new page ({e})",
+                    start + lost - kept
+                );
+                return Err(match e.code() {
+                    tonic::Code::ResourceExhausted => Error::Exhausted(what),
+                    tonic::Code::FailedPrecondition => Error::FailedPrecondition(what),
+                    _ => e,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Session::truncate`] in shared memory alone: pins every page that holds tokens past
+    /// `tokens`, without faulting; if each one is resident in the session's element type, rewrites
+    /// them (see there) and returns true. Otherwise changes nothing and returns false.
+    fn truncate_in_place(&mut self, tokens: u32) -> Result<bool> {
+        let bt = self.geometry.block_tokens;
+        let block = tokens / bt;
+        let mut pins = Pins { entries: Vec::new(), dropped: Vec::new() };
+        // (layer, block, offset, length, rows kept) of each page to rewrite.
+        let mut pages = Vec::new();
+        for layer in 0..self.geometry.layers {
+            let have = self.tokens[layer as usize];
+            if have <= tokens {
+                continue;
+            }
+            for b in block..have.div_ceil(bt) {
+                let (page, client) = (self.table.entry(layer, b)?, self.region.entry(layer, b)?);
+                if !matches!(client.pin(page), PinOutcome::Pinned { .. }) {
+                    return Ok(false);
+                }
+                pins.entries.push(client);
+                let loc = page.location();
+                if loc.format != self.format.as_u8() {
+                    return Ok(false);
+                }
+                let (offset, len) = self.checked(loc)?;
+                pages.push((layer, b, offset, len, if b == block { tokens % bt } else { 0 }));
+            }
+        }
+        let written = pages.iter().try_for_each(|&(layer, b, offset, len, kept)| -> Result<()> {
+            // SAFETY: every page of `pages` is pinned (`pins` lives until after this closure), so the
+            // daemon neither moves nor frees its frame; this thread is the session's only writer.
+            let page = unsafe { self.arena.bytes_mut(offset, len)? };
+            truncate_rows(self.page_shape, self.format, page, kept as usize)?;
+            let entry = self.region.entry(layer, b)?;
+            entry.publish_tokens(kept);
+            if kept == 0 {
+                // The attention mass it drew was the tokens' taken back.
+                entry.set_importance(0.0);
+            }
+            Ok(())
+        });
+        let written = self.after_pinned_access(written);
+        drop(pins);
+        written?;
+        for t in &mut self.tokens {
+            *t = (*t).min(tokens);
+        }
+        Ok(true)
+    }
+
+    /// The first `n` tokens' K and V rows of page `(layer, block)` as `f32`, token-major, decoded
+    /// from whatever format the page is in.
+    fn read_rows(&self, layer: u32, block: u32, n: u32) -> Result<(Vec<f32>, Vec<f32>)> {
+        let row = (self.geometry.kv_heads * self.geometry.head_dim) as usize;
+        let (mut k, mut v) = (vec![0f32; n as usize * row], vec![0f32; n as usize * row]);
+        let read = (|| {
+            let (loc, _pin) = self.pin(layer, block)?;
+            let (offset, len) = self.checked(loc)?;
+            let format = Format::from_u8(loc.format)
+                .ok_or_else(|| Error::Protocol(format!("page ({layer}, {block}) has unknown format {}", loc.format)))?;
+            // SAFETY: the page is pinned, so the daemon neither moves nor frees the frame while this
+            // slice lives (`_pin` outlives it); this thread is the session's only writer.
+            let page = unsafe { self.arena.bytes(offset, len)? };
+            kvmm_kernels::dequantize(self.page_shape, format, page, n as usize, &mut k, &mut v)?;
+            Ok(())
+        })();
+        self.after_pinned_access(read)?;
+        Ok((k, v))
     }
 
     /// Writes rows at `slot` of a pinned page and publishes the page's new token count (Release).

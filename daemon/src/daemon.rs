@@ -14,7 +14,7 @@ use std::time::Instant;
 use kvmm_shm::fdpass::{FdRequest, PeerCred};
 use kvmm_shm::{ClientRegion, Geometry, Memfd, PageLocation, SessionTable, TableStatus};
 use kvmm_store::dram::DramPool;
-use kvmm_store::flash::{FlashFile, RUN_BYTES};
+use kvmm_store::flash::{FlashFile, FlashSlot, RUN_BYTES};
 use kvmm_store::io::{EngineKind, IoBuffers, probe};
 use kvmm_store::seal::SessionKey;
 use kvmm_store::tier::{Tier, TierKind, TierStats};
@@ -740,6 +740,76 @@ impl Daemon {
         self.prefault_wanted.notify_one();
         tracing::debug!(session = session_id, blocks, total = s.pages.allocated_blocks(), "extended");
         Ok((s.pages.allocated_blocks(), s.pages.bytes()))
+    }
+
+    /// Gives back every page of a session from block `blocks` on, in every layer, on its owner's
+    /// request: the client takes tokens back and appends from there again (see
+    /// [`PageTable::truncate`]). Each page is freed where it is: frames zeroed (as every freed frame
+    /// is), DRAM slots freed, flash slots punched out. A page of those that the client holds pinned
+    /// refuses the whole request, with nothing changed: the claims taken before it are withdrawn.
+    pub fn truncate(&self, caller: ConnInfo, session_id: u64, blocks: u32) -> Result<TruncateReport> {
+        let mut core = self.core.lock();
+        let Core { sessions, dram, reserved, .. } = &mut *core;
+        let s = sessions.get_mut(session_id, caller.uid, caller.id)?;
+        s.last_access = Instant::now();
+        let have = s.pages.allocated_blocks();
+        let past = || (0..s.geometry.layers).flat_map(move |l| (blocks..have).map(move |b| (l, b)));
+        // Claim every resident page first, so that a pinned one changes nothing.
+        let mut claimed = Vec::new();
+        for (layer, block) in past() {
+            let Some(Place::Device(_)) = s.pages.page(layer, block).map(|p| p.place) else { continue };
+            let entry = s.table.entry_writer(layer, block)?;
+            match entry.try_begin_migrate(s.region.entry(layer, block)?) {
+                Ok(ticket) => claimed.push((entry, ticket)),
+                Err(_) => {
+                    for (entry, ticket) in claimed {
+                        entry.abort_migrate(ticket);
+                    }
+                    return Err(Error::FailedPrecondition(format!(
+                        "session {session_id} has page (layer {layer}, block {block}) pinned: truncate while no \
+                         attention or append on the session is running"
+                    )));
+                }
+            }
+        }
+        for (entry, ticket) in claimed {
+            entry.finish_free(ticket);
+        }
+        for (layer, block) in past() {
+            // Pages in DRAM or flash, and pages dropped by eviction: no client can hold them.
+            if s.pages.frame(layer, block).is_none() {
+                s.table.entry_writer(layer, block)?.clear();
+            }
+            let client = s.region.entry(layer, block)?;
+            client.publish_tokens(0);
+            client.set_importance(0.0);
+        }
+        let mut report = TruncateReport { allocated_blocks: blocks.min(have), ..TruncateReport::default() };
+        let (mut frames, mut flash_slots) = (Vec::new(), Vec::new());
+        for (_, _, place) in s.pages.truncate(blocks) {
+            report.freed_pages += 1;
+            report.freed_bytes += place.footprint();
+            match place {
+                Place::Device(frame) => {
+                    reserved.add(frame);
+                    frames.push(frame);
+                }
+                Place::Dram(slot) => {
+                    if let Some(dram) = dram.as_mut() {
+                        dram.free(slot);
+                    }
+                }
+                Place::Flash(slot) => flash_slots.push(slot),
+            }
+        }
+        report.device_bytes = s.pages.bytes();
+        let uid = s.owner.uid;
+        discard_flash_slots(self.flash.as_ref(), session_id, flash_slots);
+        free_frames_paced(&mut core, uid, frames)?;
+        if report.freed_pages > 0 {
+            tracing::debug!(session = session_id, blocks, freed = report.freed_pages, "truncated");
+        }
+        Ok(report)
     }
 
     /// Destroys a session on its owner's request (through the connection that attached or resumed it,
@@ -1489,6 +1559,19 @@ pub enum WipeScope {
     All,
 }
 
+/// What [`Daemon::truncate`] gave back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TruncateReport {
+    /// Blocks now allocated per layer.
+    pub allocated_blocks: u32,
+    /// Pages freed, all layers (pages dropped by eviction had nothing to free).
+    pub freed_pages: u32,
+    /// Bytes those pages took in their tiers.
+    pub freed_bytes: u64,
+    /// Bytes of device frames the session owns now.
+    pub device_bytes: u64,
+}
+
 /// Bytes wiped per tier, and sessions.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WipeReport {
@@ -1619,28 +1702,38 @@ fn destroy(
             Place::Flash(slot) => flash_slots.push(slot),
         }
     }
-    if let (Some(flash), false) = (flash, flash_slots.is_empty()) {
-        let mut flash = flash.lock();
-        for slot in flash_slots {
-            if let Err(e) = flash.discard(slot) {
-                tracing::warn!(session = id, error = %e, "a flash slot was freed but its blocks could not be punched out");
-            }
+    discard_flash_slots(flash, id, flash_slots);
+    free_frames_paced(core, s.owner.uid, to_zero)?;
+    Ok(report)
+}
+
+/// Frees and punches out flash slots whose pages are gone for good (a destroyed session's, or pages
+/// given back).
+fn discard_flash_slots(flash: Option<&Mutex<FlashFile>>, session: u64, slots: Vec<FlashSlot>) {
+    let (Some(flash), false) = (flash, slots.is_empty()) else { return };
+    let mut flash = flash.lock();
+    for slot in slots {
+        if let Err(e) = flash.discard(slot) {
+            tracing::warn!(session, error = %e, "a flash slot was freed but its blocks could not be punched out");
         }
     }
+}
+
+/// Frees `frames` of `uid`'s arena (which zeroes them), handing the core lock over between them
+/// ([`LockPacer`]); each must be in `core.reserved` until then, so that the pool's accounting holds
+/// while the lock is away. Every frame is freed even if one fails; the first failure is returned.
+fn free_frames_paced(core: &mut MutexGuard<'_, Core>, uid: u32, frames: Vec<Frame>) -> Result<()> {
     let mut pacer = LockPacer::start();
     let mut failed = None;
-    for frame in to_zero {
+    for frame in frames {
         core.reserved.remove(frame);
-        if let Err(e) = core.pool.free_frame(s.owner.uid, frame) {
+        if let Err(e) = core.pool.free_frame(uid, frame) {
             failed.get_or_insert(e);
         }
         pacer.between_pages(core);
     }
     debug_assert_eq!(core.pool.used(), core.pool.used_by_arenas());
-    match failed {
-        Some(e) => Err(e),
-        None => Ok(report),
-    }
+    failed.map_or(Ok(()), Err)
 }
 
 #[cfg(test)]

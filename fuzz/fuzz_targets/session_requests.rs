@@ -10,9 +10,9 @@
 //! 2 MiB DRAM pool and a 4 MiB flash file (pread engine) in a directory removed at once. An input is
 //! a sequence of calls, each `[rpc, caller, length, message bytes...]`:
 //!
-//! - `rpc` picks one of the 20 RPCs; or (the 21st) a client write: `[session, memfd, offset u32 LE,
-//!   bytes...]` into the arena or client region of a session attached earlier in the input; or
-//!   (the 22nd) an Attach whose geometry is replaced by a valid one from a table (`[shape,
+//! - `rpc` picks one of the 21 RPCs; or (the 21st choice) a client write: `[session, memfd, offset
+//!   u32 LE, bytes...]` into the arena or client region of a session attached earlier in the input;
+//!   or (the 23rd) an Attach whose geometry is replaced by a valid one from a table (`[shape,
 //!   message bytes...]`), so that a run without a corpus reaches live sessions within seconds;
 //! - `caller` picks the connection the request comes from: uid 1000, uid 1001, or root (the only
 //!   one the admin API serves); identity never comes from the message, as on the real sockets;
@@ -168,7 +168,7 @@ macro_rules! call {
 /// Makes one call; returns the Status it failed with, if any.
 fn one_call(h: &Harness, live: &mut Vec<Attached>, rpc: u8, who: ConnInfo, body: &[u8]) -> Option<tonic::Status> {
     let uid = |u: u32| if u < 8 { CALLERS[u as usize % CALLERS.len()].1 } else { u };
-    match rpc % 22 {
+    match rpc % 23 {
         0 => {
             let Ok(m) = pb::AttachRequest::decode(body) else { return None };
             attach(h, live, who, m)
@@ -197,6 +197,7 @@ fn one_call(h: &Harness, live: &mut Vec<Attached>, rpc: u8, who: ConnInfo, body:
             client_write(live, body);
             None
         }
+        21 => call!(h, session.truncate, pb::TruncateRequest, who, body, |m| m.session_id = session(live, m.session_id)),
         _ => {
             // A short cut to a live session: a valid geometry from the table, the rest decoded.
             let [shape, rest @ ..] = body else { return None };

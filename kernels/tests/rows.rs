@@ -1,7 +1,9 @@
 //! Row writes and reads: round trips, the rounding rule, and the layout seen from outside.
 
 use half::{bf16, f16};
-use kvmm_kernels::{Format, KernelError, PageShape, init_page, key_bounds, read_rows, write_rows, write_rows_raw};
+use kvmm_kernels::{
+    Format, KernelError, PageShape, init_page, key_bounds, read_rows, truncate_rows, write_rows, write_rows_raw,
+};
 use proptest::prelude::*;
 
 const SHAPE: PageShape = PageShape { kv_heads: 2, head_dim: 16, block_tokens: 8 };
@@ -303,4 +305,68 @@ proptest! {
             first += count;
         }
     }
+
+    /// Taking tokens back leaves a page byte for byte as writing its kept rows into a blank page
+    /// does: the slots past them zeroed, the key bounds those of the kept keys alone. Rows of
+    /// arbitrary bits (NaNs, infinities, ±0) of the page's own type, so they are stored as given.
+    #[test]
+    fn truncating_leaves_what_writing_the_kept_rows_into_a_blank_page_leaves(
+        kv_heads in 1usize..=3,
+        head_dim in prop_oneof![1usize..=20, 60usize..=140],
+        block_log in 0u32..=5,
+        bf in any::<bool>(),
+        fill in any::<prop::sample::Index>(),
+        keep in any::<prop::sample::Index>(),
+        seed in any::<u64>(),
+    ) {
+        let format = if bf { Format::Bf16 } else { Format::F16 };
+        let shape = PageShape { kv_heads, head_dim, block_tokens: 1 << block_log };
+        let row = kv_heads * head_dim;
+        let tokens = fill.index(shape.block_tokens + 1);
+        let keep = keep.index(tokens + 1);
+        let mut state = seed | 1;
+        let bits: Vec<u16> = (0..2 * tokens * row)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state as u16
+            })
+            .collect();
+        let (k, v) = bits.split_at(tokens * row);
+        let write = |page: &mut Vec<u8>, n: usize| {
+            if n == 0 {
+                return;
+            }
+            if bf {
+                let x = |b: &[u16]| b.iter().map(|&b| bf16::from_bits(b)).collect::<Vec<_>>();
+                write_rows(shape, format, page, 0, &x(&k[..n * row]), &x(&v[..n * row])).unwrap();
+            } else {
+                let x = |b: &[u16]| b.iter().map(|&b| f16::from_bits(b)).collect::<Vec<_>>();
+                write_rows(shape, format, page, 0, &x(&k[..n * row]), &x(&v[..n * row])).unwrap();
+            }
+        };
+        let mut page = empty_page(shape, format);
+        write(&mut page, tokens);
+        truncate_rows(shape, format, &mut page, keep).unwrap();
+        let mut want = empty_page(shape, format);
+        write(&mut want, keep);
+        prop_assert!(page == want, "{} of {} tokens kept: the page differs from a blank page given them", keep, tokens);
+    }
+}
+
+#[test]
+fn truncating_refuses_quantized_pages_and_a_count_past_the_page() {
+    let shape = PageShape { kv_heads: 1, head_dim: 16, block_tokens: 32 };
+    let mut page = empty_page(shape, Format::F16);
+    assert!(matches!(
+        truncate_rows(shape, Format::F16, &mut page, 33).unwrap_err(),
+        KernelError::TokenRange { first: 33, count: 0, block_tokens: 32 }
+    ));
+    let mut q8 = vec![0u8; shape.page_bytes(Format::Q8)];
+    assert!(truncate_rows(shape, Format::Q8, &mut q8, 1).is_err());
+    // A page without a header for this shape is refused before a byte is written.
+    let mut blank = vec![7u8; shape.page_bytes(Format::F16)];
+    assert!(truncate_rows(shape, Format::F16, &mut blank, 0).is_err());
+    assert!(blank.iter().all(|&b| b == 7));
 }

@@ -2,7 +2,7 @@
  * A C client of kvmmd through libkvmm (capi/include/kvmm.h), driven by tests/tests/c_client.rs.
  *
  *   session SOCKET   attach, append, attention checked against a double-precision reference,
- *                    every kind of bad input, stats, two threads on one client; prints
+ *                    every kind of bad input, stats, tokens taken back, two threads on one client; prints
  *                    "ready ID", waits for a line on stdin, detaches
  *   leave SOCKET     attach a lingering session, append, print "left ID CHECKSUM" of an attention
  *                    output, exit without detaching
@@ -258,6 +258,39 @@ static int wiping(kvmm_client *client) {
     return 0;
 }
 
+/* A session that takes tokens back: 100 tokens, then 20 drafts it truncates away, then 10 more;
+ * attention reads exactly the 110 kept. */
+static int truncating(kvmm_client *client) {
+    kvmm_geometry g = geometry();
+    kvmm_session *s = NULL;
+    CHECK(kvmm_attach(client, &g, NULL, &s));
+    static layer_kv kept_kv, drafts;
+    fill(&kept_kv, 110, 21);
+    fill(&drafts, 20, 22);
+    for (uint32_t layer = 0; layer < LAYERS; layer++) {
+        CHECK(kvmm_append(s, layer, kept_kv.k, kept_kv.v, 100));
+        CHECK(kvmm_append(s, layer, drafts.k, drafts.v, 20));
+    }
+    CHECK(kvmm_truncate(s, 100));
+    float q[QROW], out[QROW];
+    double worst = 0.0;
+    for (uint32_t layer = 0; layer < LAYERS; layer++) {
+        if (kvmm_session_tokens(s, layer) != 100) {
+            printf("FAIL layer %u holds %u tokens after truncating to 100\n", layer, kvmm_session_tokens(s, layer));
+            return 1;
+        }
+        CHECK(kvmm_append(s, layer, kept_kv.k + 100 * ROW, kept_kv.v + 100 * ROW, 10));
+        query(q, layer + 30);
+        CHECK(kvmm_attention(s, layer, q, out));
+        double err = check_attention(&kept_kv, q, out);
+        worst = err > worst ? err : worst;
+    }
+    printf("truncated tokens %u worst %.3g\n", kvmm_session_tokens(s, 1), worst);
+    refused("kvmm_truncate", kvmm_truncate(NULL, 1), KVMM_INVALID_ARGUMENT);
+    CHECK(kvmm_detach(s, NULL));
+    return 0;
+}
+
 /* The bits of an f16 that holds x exactly (x is 0 or a normal f16 value, as exact() makes). */
 static uint16_t f16_bits(float x) {
     if (x == 0.0f) {
@@ -422,7 +455,7 @@ static int session_mode(const char *socket) {
     printf("stats tokens %llu device_pages %u device_bytes %llu resident %u\n", (unsigned long long)stats.tokens,
            stats.device_pages, (unsigned long long)stats.device_bytes, resident);
 
-    if (evicting(client) != 0 || wiping(client) != 0 || sixteen_bit(client) != 0) {
+    if (evicting(client) != 0 || wiping(client) != 0 || sixteen_bit(client) != 0 || truncating(client) != 0) {
         return 1;
     }
 

@@ -116,6 +116,28 @@ def sixteen_bit(client):
     return same, errors
 
 
+def truncating(client):
+    """70 tokens, 10 drafts taken back, 5 more: the attention output equals, bit for bit, that of a
+    session that never held the drafts. Returns [tokens after the cut, equal, a bad count's error]."""
+    k, v = values(75 * ROW, 70), values(75 * ROW, 71)
+    q = values(QROW, 72)
+    with client.attach(LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, MAX_TOKENS) as cut, \
+            client.attach(LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, MAX_TOKENS) as straight:
+        cut.append(0, k[:70 * ROW], v[:70 * ROW])
+        cut.append(0, values(10 * ROW, 73), values(10 * ROW, 74))
+        cut.truncate(70)
+        tokens = cut.tokens(0)
+        cut.append(0, k[70 * ROW:], v[70 * ROW:])
+        straight.append(0, k, v)
+        equal = cut.attention(0, q).tobytes() == straight.attention(0, q).tobytes()
+        try:
+            cut.truncate(-1)
+            raise AssertionError("a negative count was accepted")
+        except ValueError as e:
+            error = str(e)
+    return [tokens, equal, error]
+
+
 def session_mode(socket):
     result = {}
     client = kvmm.Client(socket)
@@ -158,6 +180,7 @@ def session_mode(socket):
     result["stats"] = {"tokens": stats["tokens"], "device_pages": stats["device_pages"]}
     result["wiped"] = session.detach()
     result["sixteen_same"], result["sixteen_errors"] = sixteen_bit(client)
+    result["truncated"] = truncating(client)
     other = client.attach(LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, MAX_TOKENS)
     other.append(0, values(ROW, 3), values(ROW, 4))
     result["wiped_tiers"] = other.wipe()

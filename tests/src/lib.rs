@@ -8,6 +8,7 @@
 
 pub mod load;
 pub mod models;
+pub mod rows;
 pub mod soak;
 
 use std::io::{BufRead, BufReader, Write};

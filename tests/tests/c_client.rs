@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use kvmm_proto::v1::{ListSessionsRequest, Priority};
-use kvmm_tests::{Daemon, libkvmm, wait_timeout};
+use kvmm_tests::{Daemon, libkvmm, libkvmm_static, wait_timeout};
 
 /// `tests/c/session.c`, compiled once per test binary beside the library it links (a build output
 /// like the library; the tests of this file share it).
@@ -118,8 +118,15 @@ fn a_c_program_appends_and_attends_through_libkvmm_and_bad_input_gets_a_status_a
     println!("{output}");
 
     // Values f16 holds exactly, so the reference sees what the pages hold: float rounding only.
-    let prefixes =
-        ["attention worst", "budget of every page worst", "thread 0 worst", "thread 1 worst", "evicted ", "append16 "];
+    let prefixes = [
+        "attention worst",
+        "budget of every page worst",
+        "thread 0 worst",
+        "thread 1 worst",
+        "evicted ",
+        "append16 ",
+        "truncated ",
+    ];
     for prefix in prefixes {
         let worst = number_after(line(&lines, prefix), "worst");
         assert!(worst < 1e-5, "{prefix}: relative error {worst}");
@@ -137,6 +144,8 @@ fn a_c_program_appends_and_attends_through_libkvmm_and_bad_input_gets_a_status_a
     // the outputs are those of f32 rows of the same values.
     let append16 = line(&lines, "append16 ");
     assert!(append16.starts_with("append16 same outputs 4 of 4,"), "{append16}");
+    // 100 tokens, 20 drafts taken back, 10 more: attention read exactly the 110 kept (above).
+    assert_eq!(number_after(line(&lines, "truncated "), "tokens"), 110.0);
     let wiped = line(&lines, "wiped ");
     assert!(number_after(wiped, "device") > 0.0, "{wiped}");
     let stats = line(&lines, "stats ");
@@ -165,6 +174,7 @@ fn a_c_program_appends_and_attends_through_libkvmm_and_bad_input_gets_a_status_a
         ("kvmm_append FAILED_PRECONDITION", "was wiped by this process; its data is gone: attach a new session"),
         ("kvmm_append16 INVALID_ARGUMENT", "element is 7: use KVMM_ELEMENT_F16 (0) or KVMM_ELEMENT_BF16 (1)"),
         ("kvmm_append16 INVALID_ARGUMENT", "`k` is NULL"),
+        ("kvmm_truncate INVALID_ARGUMENT", "`session` is NULL"),
     ];
     let refusals: Vec<&String> = lines.iter().filter(|l| l.starts_with("refused ")).collect();
     assert_eq!(refusals.len(), expected.len(), "{output}");
@@ -263,12 +273,17 @@ fn the_library_exports_every_function_the_header_declares() {
         .filter(|n| n.starts_with("kvmm_"))
         .collect();
     assert!(declared.len() >= 20, "{declared:?}");
-    let out = Command::new("nm").args(["-D", "--defined-only"]).arg(libkvmm()).output().unwrap();
-    assert!(out.status.success(), "nm: {}", String::from_utf8_lossy(&out.stderr));
-    let exported: std::collections::BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split_whitespace().nth(2).map(str::to_owned))
-        .filter(|n| n.starts_with("kvmm_"))
-        .collect();
-    assert_eq!(declared, exported, "the header and the library's exported symbols differ");
+    // The shared library's dynamic symbols, and the static library's global functions (`T`).
+    for (library, nm_args) in [(libkvmm(), ["-D", "--defined-only"]), (libkvmm_static(), ["-g", "--defined-only"])] {
+        let out = Command::new("nm").args(nm_args).arg(&library).output().unwrap();
+        assert!(out.status.success(), "nm: {}", String::from_utf8_lossy(&out.stderr));
+        let exported: std::collections::BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| match l.split_whitespace().collect::<Vec<_>>()[..] {
+                [_, "T", name] if name.starts_with("kvmm_") => Some(name.to_owned()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(declared, exported, "the header and {}'s exported functions differ", library.display());
+    }
 }

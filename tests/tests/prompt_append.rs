@@ -6,52 +6,14 @@
 
 #![allow(clippy::unwrap_used)]
 
-use kvmm_client::{Client, Geometry, Session};
-use kvmm_kernels::reference_attention_f32;
+use kvmm_client::{Client, Geometry};
 use kvmm_tests::Daemon;
+use kvmm_tests::rows::{DIM, KV, Q, ROW, attend, rows, worst_error};
 
 const LAYERS: u32 = 2;
-const KV: usize = 3;
-const Q: usize = 9;
-const DIM: usize = 64;
-const ROW: usize = KV * DIM;
 
 fn geometry() -> Geometry {
     Geometry::new(LAYERS, KV as u32, Q as u32, DIM as u32, 4096)
-}
-
-/// Values f16 holds exactly (multiples of 1/64 in [-2, 2]), so a reference over the f32 rows sees
-/// what the pages hold.
-fn rows(tokens: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..tokens * ROW)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state % 257) as f32 - 128.0) / 64.0
-        })
-        .collect()
-}
-
-fn attend(session: &mut Session, layer: u32, q: &[f32]) -> Vec<f32> {
-    let mut out = vec![0.0; Q * DIM];
-    session.attention(layer, q, &mut out).unwrap();
-    out
-}
-
-/// The worst error of `got` relative to each head's largest reference output.
-fn worst_error(got: &[f32], k: &[f32], v: &[f32], q: &[f32]) -> f64 {
-    let mut want = vec![0.0f32; Q * DIM];
-    reference_attention_f32(Q, KV, DIM, q, k, v, 1.0 / (DIM as f32).sqrt(), &mut want).unwrap();
-    let mut worst = 0.0f64;
-    for (g, w) in got.chunks(DIM).zip(want.chunks(DIM)) {
-        let largest = w.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1e-30);
-        for (a, b) in g.iter().zip(w) {
-            worst = worst.max(f64::from((a - b).abs() / largest));
-        }
-    }
-    worst
 }
 
 #[test]

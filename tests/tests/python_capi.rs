@@ -88,6 +88,10 @@ fn a_python_process_appends_and_attends_through_libkvmm_and_bad_input_raises_its
     for (got, want) in sixteen_errors.iter().zip(wanted) {
         assert!(got.starts_with(want), "{got:?} should start with {want:?}");
     }
+    // 70 tokens, 10 drafts taken back, 5 more: the output of a session that never held the drafts.
+    assert_eq!(r["truncated"][0], 70);
+    assert_eq!(r["truncated"][1], true, "the cut session reads differently");
+    assert!(r["truncated"][2].as_str().unwrap().starts_with("tokens must be an int from 0"), "{}", r["truncated"]);
     let value_errors = r["value_errors"].as_array().unwrap();
     assert!(value_errors[0].as_str().unwrap().contains("kv_heads * head_dim = 192 floats"), "{value_errors:?}");
     assert!(

@@ -189,6 +189,14 @@ fn recompress_page(core: &mut Core, at: PageAt, scratch: &mut Scratch, report: &
         report.skipped_pinned += 1;
         return Ok(());
     };
+    if client.tokens_clamped(g.block_tokens) != tokens {
+        // Written between the look above and the claim, which makes the count stable now (the
+        // client writes it under a pin). `Session::truncate` lowers it in place, so a page judged
+        // full may be the client's tail again: left as it is.
+        entry.abort_migrate(ticket);
+        report.skipped_not_full += 1;
+        return Ok(());
+    }
     let Scratch { src, dst } = scratch;
     src.resize(frame.len as usize, 0);
     dst.resize(new_len as usize, 0);

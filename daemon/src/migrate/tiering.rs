@@ -485,6 +485,13 @@ fn demote_page(
         return Ok(Demoted::Pinned);
     };
     // From here every path finishes or aborts the migration.
+    if client.tokens_clamped(g.block_tokens) != tokens {
+        // Written between the look above and the claim (under a pin, so the claim makes the count
+        // stable now). Appends only raise it, but `Session::truncate` lowers it in place: a page
+        // planned as full may now be the client's tail. Left for the next pass.
+        entry.abort_migrate(ticket);
+        return Ok(Demoted::Skipped);
+    }
     let Scratch { src, dst } = scratch;
     src.resize(frame.len as usize, 0);
     if let Err(e) = arena.mapping().read_at(frame.offset as usize, src) {

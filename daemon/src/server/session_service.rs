@@ -224,6 +224,28 @@ impl pb::session_server::Session for SessionService {
         Ok(Response::new(pb::ExtendResponse { allocated_blocks, device_bytes }))
     }
 
+    async fn truncate(&self, req: Request<pb::TruncateRequest>) -> Result<Response<pb::TruncateResponse>, Status> {
+        let who = caller(&req)?;
+        let r = req.into_inner();
+        let span = tracing::info_span!("Truncate", session = r.session_id, blocks = r.blocks);
+        // Truncating zeroes the frames it frees and may punch out flash slots: off the async workers.
+        let daemon = self.daemon.clone();
+        let report = super::off_workers("truncate", move || {
+            span.in_scope(|| {
+                daemon.truncate(who, r.session_id, r.blocks).inspect_err(|e| {
+                    crate::limited!(info, code = ?super::status::code(e.kind()), error = %e, "Truncate refused");
+                })
+            })
+        })
+        .await??;
+        Ok(Response::new(pb::TruncateResponse {
+            allocated_blocks: report.allocated_blocks,
+            freed_pages: report.freed_pages,
+            freed_bytes: report.freed_bytes,
+            device_bytes: report.device_bytes,
+        }))
+    }
+
     async fn prefetch(&self, req: Request<pb::PrefetchRequest>) -> Result<Response<pb::PrefetchResponse>, Status> {
         let who = caller(&req)?;
         let r = req.into_inner();

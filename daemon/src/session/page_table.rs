@@ -91,6 +91,34 @@ impl PageTable {
         }
     }
 
+    /// Gives back every block from `blocks` on, in every layer: returns where each page was, with
+    /// its layer and block (pages dropped by eviction had none). The caller frees their places and
+    /// clears their entries; the next [`PageTable::extend`] starts at `blocks`. Nothing happens when
+    /// `blocks` is at or past the allocated blocks.
+    ///
+    /// A move that took one of these pages with the core lock released (a flash write or read)
+    /// finds at its commit that the block no longer holds the slot it took, even if the block was
+    /// handed out again and its new page went down to the same place: a DRAM slot carries a serial
+    /// and a flash slot a write counter that are never reused.
+    pub fn truncate(&mut self, blocks: u32) -> Vec<(u32, u32, Place)> {
+        let old = self.allocated_blocks;
+        if blocks >= old {
+            return Vec::new();
+        }
+        let mut freed = Vec::new();
+        for layer in 0..self.layers {
+            for block in blocks..old {
+                let Some(i) = self.index(layer, block) else { continue };
+                match self.pages[i].take() {
+                    Some(page) => freed.push((layer, block, page.place)),
+                    None => self.dropped[layer as usize] -= 1,
+                }
+            }
+        }
+        self.allocated_blocks = blocks;
+        freed
+    }
+
     /// Blocks allocated per layer.
     pub fn allocated_blocks(&self) -> u32 {
         self.allocated_blocks
@@ -244,5 +272,34 @@ mod tests {
         assert_eq!(t.take_all().len(), 5);
         assert_eq!(t.dropped(), 0);
         assert_eq!(t.bytes(), 0);
+    }
+
+    #[test]
+    fn truncate_gives_back_the_blocks_past_it_in_every_layer_and_extend_starts_there_again() {
+        let mut t = PageTable::new(2, 8);
+        let f = |o| Frame { offset: o, len: 64 };
+        t.extend(3, &[f(0), f(64), f(128), f(192), f(256), f(320)], Format::F16);
+        let slot = DramSlot { offset: 0, extent: 64, len: 10, sealed: None, serial: 7 };
+        t.set(1, 2, Place::Dram(slot), Format::Q8);
+        assert_eq!(t.drop_page(0, 1).map(|p| p.place), Some(Place::Device(f(64))));
+        assert_eq!(t.truncate(3), vec![], "nothing past the allocated blocks");
+        assert_eq!(t.truncate(9), vec![]);
+
+        let freed = t.truncate(1);
+        assert_eq!(
+            freed,
+            vec![(0, 2, Place::Device(f(128))), (1, 1, Place::Device(f(256))), (1, 2, Place::Dram(slot)),],
+            "the dropped page (0, 1) had no place"
+        );
+        assert_eq!((t.allocated_blocks(), t.dropped()), (1, 0));
+        assert_eq!((t.live_blocks(0), t.live_blocks(1)), (1, 1));
+        assert!(t.page(0, 2).is_none() && !t.is_dropped(0, 1), "past the allocated blocks: nothing");
+        assert_eq!(t.bytes_in(TierKind::Dram), 0);
+
+        t.extend(1, &[f(384), f(448)], Format::F16);
+        assert_eq!((t.frame(0, 1), t.frame(1, 1)), (Some(f(384)), Some(f(448))));
+        assert_eq!(t.allocated_blocks(), 2);
+        assert_eq!(t.truncate(0).len(), 4);
+        assert_eq!((t.allocated_blocks(), t.bytes()), (0, 0));
     }
 }

@@ -164,16 +164,20 @@ const CHANNELS: usize = 64;
 
 /// Widens running per-channel bounds (values and their bits) to `keys` (with their `bits`): a key
 /// replaces a bound it passes or a NaN bound; comparisons with a NaN key are false, so it never
-/// enters. Branch-free, so the compiler can run it on vectors.
+/// enters. Branch-free and indexed over equal lengths, so the compiler runs it on vectors.
+#[inline(always)]
 fn widen(keys: &[f32], bits: &[u16], lo: (&mut [f32], &mut [u16]), hi: (&mut [f32], &mut [u16])) {
-    let (lo, hi) = (lo.0.iter_mut().zip(lo.1.iter_mut()), hi.0.iter_mut().zip(hi.1.iter_mut()));
-    for (((&x, &b), (l, lb)), (u, ub)) in keys.iter().zip(bits).zip(lo).zip(hi) {
-        let below = x < *l || l.is_nan();
-        let above = x > *u || u.is_nan();
-        *l = if below { x } else { *l };
-        *lb = if below { b } else { *lb };
-        *u = if above { x } else { *u };
-        *ub = if above { b } else { *ub };
+    let n = keys.len();
+    let (keys, bits) = (&keys[..n], &bits[..n]);
+    let (lo, lo_bits, hi, hi_bits) = (&mut lo.0[..n], &mut lo.1[..n], &mut hi.0[..n], &mut hi.1[..n]);
+    for j in 0..n {
+        let x = keys[j];
+        let below = (x < lo[j]) | lo[j].is_nan();
+        let above = (x > hi[j]) | hi[j].is_nan();
+        lo[j] = if below { x } else { lo[j] };
+        lo_bits[j] = if below { bits[j] } else { lo_bits[j] };
+        hi[j] = if above { x } else { hi[j] };
+        hi_bits[j] = if above { bits[j] } else { hi_bits[j] };
     }
 }
 
@@ -271,6 +275,49 @@ pub unsafe fn write_rows_raw<E: RowElement>(
     // by anyone else during this call, which is what a `&mut [u8]` of that extent requires.
     let page = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
     write_rows_impl(shape, format, page, first_token, k, v)
+}
+
+/// Keeps the first `keep` token slots of a 16-bit page and blanks the rest: the keys and values of
+/// slots `keep..block_tokens` are zeroed and the key bounds recomputed over the kept keys, by the
+/// rule and in the token order [`write_rows`] widens them, so the page is byte for byte what writing
+/// its kept rows into a blank page leaves (a zeroed frame given
+/// [`init_page`](crate::format::header::init_page)). For a client that takes tokens back.
+pub fn truncate_rows(shape: PageShape, format: Format, page: &mut [u8], keep: usize) -> Result<(), KernelError> {
+    check_rows(shape, format, page, keep, 0, 0)?;
+    let (heads, dim, bt) = (shape.kv_heads, shape.head_dim, shape.block_tokens);
+    let (empty_lo, empty_hi) = match format {
+        Format::Bf16 => (bf16::INFINITY.to_bits(), bf16::NEG_INFINITY.to_bits()),
+        _ => (f16::INFINITY.to_bits(), f16::NEG_INFINITY.to_bits()),
+    };
+    // As in the writer: runs of channels, widened together token by token.
+    let mut bits = [0u16; CHANNELS];
+    let mut keys = [0f32; CHANNELS];
+    let (mut lo_bits, mut hi_bits) = ([empty_lo; CHANNELS], [empty_hi; CHANNELS]);
+    let (mut lo, mut hi) = ([decode(format, empty_lo); CHANNELS], [decode(format, empty_hi); CHANNELS]);
+    for h in 0..heads {
+        page[shape.v_byte(h, keep, 0)..shape.v_byte(h, bt, 0)].fill(0);
+        for d0 in (0..dim).step_by(CHANNELS) {
+            let n = CHANNELS.min(dim - d0);
+            lo_bits[..n].fill(empty_lo);
+            hi_bits[..n].fill(empty_hi);
+            lo[..n].fill(decode(format, empty_lo));
+            hi[..n].fill(decode(format, empty_hi));
+            for slot in 0..keep {
+                for (j, b) in bits[..n].iter_mut().enumerate() {
+                    *b = load(page, shape.k_byte(h, d0 + j, slot));
+                }
+                sealed::decode_slice(format, &bits[..n], &mut keys[..n]);
+                widen(&keys[..n], &bits[..n], (&mut lo[..n], &mut lo_bits[..n]), (&mut hi[..n], &mut hi_bits[..n]));
+            }
+            for j in 0..n {
+                page[shape.k_byte(h, d0 + j, keep)..shape.k_byte(h, d0 + j, bt)].fill(0);
+                let at = shape.bound_byte(h, d0 + j);
+                store(page, at, lo_bits[j]);
+                store(page, at + 2, hi_bits[j]);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Reads `n` tokens starting at slot `token` back into `f32` rows, in the same token-major order

@@ -12,8 +12,9 @@
 //!
 //! - **Clients.** One thread per slot keeps a `kvmm-test-client run` process going (beside this
 //!   binary, or `--test-client` / `$KVMM_TEST_CLIENT_BIN`): a 4-layer SmolLM2-shaped session
-//!   (f16 or bf16, a random priority) that appends, checks rounds of attention, asks for stats and
-//!   prefetches, at a human pace, until it holds a random 256–1280 tokens, reads a while longer,
+//!   (f16 or bf16, a random priority) that appends, checks rounds of attention, asks for stats,
+//!   prefetches and takes 1–40 tokens back (`truncate`, to its page's start where the cut would
+//!   fall inside a full page), at a human pace, until it holds a random 256–1280 tokens, reads a while longer,
 //!   then detaches and exits; the slot starts the next one. The client checks every attention output against its own copy
 //!   of the K/V (quantized as the daemon quantizes, for compressed pages): a wrong byte served prints
 //!   `FAIL` and exits 3, which fails the soak.
@@ -508,9 +509,9 @@ fn stderr_tail(path: &Path) -> String {
     lines[lines.len().saturating_sub(3)..].join(" | ")
 }
 
-/// The client's life: attach and first tokens, then appends, checked rounds, stats and prefetches
-/// at a human pace until it holds `target` tokens, then a few more reads (its pages keep moving
-/// meanwhile), then detach; when the soak stops, detach at once.
+/// The client's life: attach and first tokens, then appends, checked rounds, stats, prefetches and
+/// truncations at a human pace until it holds `target` tokens, then a few more reads (its pages
+/// keep moving meanwhile), then detach; when the soak stops, detach at once.
 fn converse(index: usize, shared: &Shared, talk: &mut Conversation, target: u64, rng: &mut StdRng) -> Result<(), End> {
     let attached = talk.expect("attached")?;
     lock(&shared.slots[index]).session = field(&attached, "session");
@@ -521,7 +522,7 @@ fn converse(index: usize, shared: &Shared, talk: &mut Conversation, target: u64,
         if !growing {
             reads_after_target -= 1;
         }
-        match rng.random_range(if growing { 0 } else { 5 }..10) {
+        match rng.random_range(if growing { 0 } else { 5 }..11) {
             0..=4 => {
                 let n = rng.random_range(8..=48u64).min(target - talk.tokens).max(1);
                 talk.ask(&format!("append {n}"), "appended")?;
@@ -531,6 +532,11 @@ fn converse(index: usize, shared: &Shared, talk: &mut Conversation, target: u64,
             }
             8 => {
                 talk.ask("stats", "stats")?;
+            }
+            // Draft tokens rejected, or an answer to regenerate: the client appends again after. It
+            // keeps a page at least, so that its checked rounds have tokens to read.
+            10 if talk.tokens > 72 => {
+                talk.ask(&format!("truncate {}", rng.random_range(1..=40u32)), "truncated")?;
             }
             _ => {
                 talk.ask("prefetch", "prefetched")?;

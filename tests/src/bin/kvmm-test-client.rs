@@ -244,6 +244,23 @@ impl Checked {
         }
     }
 
+    /// Takes `k` tokens back with `Session::truncate` (fewer where the cut would fall inside a full
+    /// page: such a page may have been compressed, and this process could not say which values the
+    /// cut then keeps; the cut goes to that page's start instead), and forgets them too.
+    fn truncate(&mut self, k: usize) {
+        let (row, bt) = ((self.g.kv_heads * self.g.head_dim) as usize, self.g.block_tokens as usize);
+        let tokens = self.keys[0].len() / row;
+        let keep = if k < tokens % bt { tokens - k } else { tokens.saturating_sub(k) / bt * bt };
+        self.session.truncate(keep as u32).unwrap_or_else(|e| die(e));
+        for rows in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            rows.truncate(keep * row);
+        }
+        // Blocks from the cut's on hold other tokens from now on.
+        let first = (keep / bt) as u32;
+        self.requantized.retain(|&(_, block, _), _| block < first);
+        self.read_as.retain(|&(_, block), _| block < first);
+    }
+
     /// Checks the pages eviction dropped: never the first page, never one with a token among the
     /// last 128 of its layer. Returns the dropped blocks.
     fn check_dropped(&self, layer: u32) -> Vec<u32> {
@@ -595,6 +612,10 @@ fn run(a: &Args, forever: bool) {
                     Err(e) => println!("error code={:?} msg={}", e.code(), e),
                 }
             }
+            (Some("truncate"), Some(k)) => {
+                c.truncate(k);
+                c.report("truncated");
+            }
             (Some("stats"), _) => c.report("stats"),
             (Some("digest"), _) => c.digest(),
             (Some("formats"), _) => c.print_formats(),
@@ -704,12 +725,14 @@ fn raw_attach(a: &Args) {
 }
 
 /// Attaches with the raw RPCs, maps the session's memory itself, extends by one block and pins
-/// page (0, 0) the way the client library does, then prints `pinned session=N offset=O len=L` and
-/// obeys stdin: `write` fills the pinned frame with 0xAB (a row write still under way after a
-/// wipe), `unpin` releases the pin, `pin` takes one again (`pin pinned=true`), `publish` marks the
-/// page full (`published tokens=T`, so that `Compress` takes it unless it is pinned), `stats` calls
-/// `SessionStats` (`stats code=Ok stuck_pins=N`, or the code, the table's status and the message),
-/// and `exit` (or EOF) ends. Each command answers with one line.
+/// page (L, 0) of layer L = `--pin-layer` (default 0) the way the client library does, then prints
+/// `pinned session=N offset=O len=L` and obeys stdin: `write` fills the pinned frame with 0xAB (a
+/// row write still under way after a wipe), `unpin` releases the pin, `pin` takes one again (`pin
+/// pinned=true`), `publish` marks the page full (`published tokens=T`, so that `Compress` takes it
+/// unless it is pinned), `stats` calls `SessionStats` (`stats code=Ok stuck_pins=N`, or the code,
+/// the table's status and the message), `truncate` calls `Truncate` to 0 blocks (`truncate code=Ok
+/// freed=N`, or the code and the message), and `exit` (or EOF) ends. Each command answers with one
+/// line.
 fn hold_pin(a: &Args) {
     use kvmm_shm::{Access, ClientRegion, Mapping, Memfd, SessionTable};
     let client = Client::connect(a.socket()).unwrap_or_else(|e| die(e));
@@ -724,9 +747,10 @@ fn hold_pin(a: &Args) {
     client
         .block_on(client.rpc().extend(pb::ExtendRequest { session_id: r.session_id, blocks: 1 }))
         .unwrap_or_else(|e| die(e.into()));
-    let entry = region.entry(0, 0).unwrap();
-    assert!(entry.pin(table.entry(0, 0).unwrap()).is_pinned(), "a fresh page pins");
-    let loc = table.entry(0, 0).unwrap().location();
+    let layer = a.get("pin-layer", 0u32);
+    let entry = region.entry(layer, 0).unwrap();
+    assert!(entry.pin(table.entry(layer, 0).unwrap()).is_pinned(), "a fresh page pins");
+    let loc = table.entry(layer, 0).unwrap().location();
     let (offset, len) = (loc.offset as usize, loc.len as usize);
     println!("pinned session={} offset={offset} len={len}", r.session_id);
     for l in stdin_lines() {
@@ -744,8 +768,15 @@ fn hold_pin(a: &Args) {
                 println!("published tokens={}", g.block_tokens);
             }
             "pin" => {
-                let outcome = entry.pin(table.entry(0, 0).unwrap());
+                let outcome = entry.pin(table.entry(layer, 0).unwrap());
                 println!("pin pinned={}", outcome.is_pinned());
+            }
+            "truncate" => {
+                let truncate = pb::TruncateRequest { session_id: r.session_id, blocks: 0 };
+                match client.block_on(client.rpc().truncate(truncate)) {
+                    Ok(t) => println!("truncate code=Ok freed={}", t.into_inner().freed_pages),
+                    Err(e) => println!("truncate code={:?} msg={}", e.code(), e.message()),
+                }
             }
             "stats" => {
                 let stats = pb::SessionStatsRequest { session_id: r.session_id };
