@@ -6,6 +6,10 @@
 //! writer implements and how it was written before: each element converted alone, put in place,
 //! then a second pass over the stored keys for the bounds), for the ratio within one run.
 //!
+//! Then `truncate_rows` as a speculative decoder uses it: 3 of a full f16 page's 32 tokens taken
+//! back (keys zeroed past the kept 29, key bounds recomputed over them), in µs a page, beside
+//! `write_rows` of the 5 draft tokens that preceded it, and their ratio.
+//!
 //! `cargo bench -p kvmm-kernels --bench rows` (`KVMM_BENCH_RUNS=300` for the best of more runs)
 
 mod support;
@@ -15,7 +19,7 @@ use support::best_seconds;
 use std::hint::black_box;
 
 use half::{bf16, f16};
-use kvmm_kernels::{Format, PageShape, RowElement, init_page, write_rows};
+use kvmm_kernels::{Format, PageShape, RowElement, init_page, truncate_rows, write_rows};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -163,5 +167,47 @@ fn main() {
                 single / single_base
             );
         }
+    }
+    truncation(runs);
+}
+
+/// `truncate_rows` keeping 29 of 32 tokens against `write_rows` of 5 tokens, µs a page, alternating.
+fn truncation(runs: usize) {
+    const KEEP: usize = BLOCK_TOKENS - 3;
+    const DRAFTS: usize = 5;
+    println!();
+    println!("{:<10} {:>22} {:>22} {:>7}", "f16 page", "truncate_rows 3 of 32", "write_rows 5 tokens", "ratio");
+    for (name, kv_heads, head_dim) in [("smollm2", 3, 64), ("llama3-8b", 8, 128)] {
+        let shape = PageShape { kv_heads, head_dim, block_tokens: BLOCK_TOKENS };
+        let row = kv_heads * head_dim;
+        let mut rng = StdRng::seed_from_u64(12);
+        let k: Vec<f32> = (0..BLOCK_TOKENS * row).map(|_| rng.random_range(-3.0..3.0)).collect();
+        let v: Vec<f32> = (0..BLOCK_TOKENS * row).map(|_| rng.random_range(-3.0..3.0)).collect();
+        let bytes = shape.page_bytes(Format::F16);
+        let mut pages = vec![0u8; PAGES * bytes];
+        for page in pages.chunks_exact_mut(bytes) {
+            init_page(shape, Format::F16, page).expect("valid shape");
+            write_rows(shape, Format::F16, page, 0, &k, &v).expect("rows fit");
+        }
+        let drafts = (BLOCK_TOKENS - DRAFTS) * row..BLOCK_TOKENS * row;
+        let (mut truncate, mut write) = (f64::INFINITY, f64::INFINITY);
+        for _ in 0..3 {
+            truncate = truncate.min(best_seconds(runs, || {
+                for page in pages.chunks_exact_mut(bytes) {
+                    truncate_rows(shape, Format::F16, page, KEEP).expect("a 16-bit page");
+                    black_box(&page);
+                }
+            }));
+            write = write.min(best_seconds(runs, || {
+                for page in pages.chunks_exact_mut(bytes) {
+                    let first = BLOCK_TOKENS - DRAFTS;
+                    write_rows(shape, Format::F16, page, first, &k[drafts.clone()], &v[drafts.clone()])
+                        .expect("rows fit");
+                    black_box(&page);
+                }
+            }));
+        }
+        let (truncate, write) = (truncate / PAGES as f64 * 1e6, write / PAGES as f64 * 1e6);
+        println!("{name:<10} {truncate:>19.2} µs {write:>19.2} µs {:>6.2}×", truncate / write);
     }
 }
