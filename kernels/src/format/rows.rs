@@ -285,39 +285,64 @@ pub unsafe fn write_rows_raw<E: RowElement>(
 pub fn truncate_rows(shape: PageShape, format: Format, page: &mut [u8], keep: usize) -> Result<(), KernelError> {
     check_rows(shape, format, page, keep, 0, 0)?;
     let (heads, dim, bt) = (shape.kv_heads, shape.head_dim, shape.block_tokens);
-    let (empty_lo, empty_hi) = match format {
-        Format::Bf16 => (bf16::INFINITY.to_bits(), bf16::NEG_INFINITY.to_bits()),
-        _ => (f16::INFINITY.to_bits(), f16::NEG_INFINITY.to_bits()),
-    };
-    // As in the writer: runs of channels, widened together token by token.
-    let mut bits = [0u16; CHANNELS];
-    let mut keys = [0f32; CHANNELS];
-    let (mut lo_bits, mut hi_bits) = ([empty_lo; CHANNELS], [empty_hi; CHANNELS]);
-    let (mut lo, mut hi) = ([decode(format, empty_lo); CHANNELS], [decode(format, empty_hi); CHANNELS]);
     for h in 0..heads {
         page[shape.v_byte(h, keep, 0)..shape.v_byte(h, bt, 0)].fill(0);
-        for d0 in (0..dim).step_by(CHANNELS) {
-            let n = CHANNELS.min(dim - d0);
-            lo_bits[..n].fill(empty_lo);
-            hi_bits[..n].fill(empty_hi);
-            lo[..n].fill(decode(format, empty_lo));
-            hi[..n].fill(decode(format, empty_hi));
-            for slot in 0..keep {
-                for (j, b) in bits[..n].iter_mut().enumerate() {
-                    *b = load(page, shape.k_byte(h, d0 + j, slot));
-                }
-                sealed::decode_slice(format, &bits[..n], &mut keys[..n]);
-                widen(&keys[..n], &bits[..n], (&mut lo[..n], &mut lo_bits[..n]), (&mut hi[..n], &mut hi_bits[..n]));
-            }
-            for j in 0..n {
-                page[shape.k_byte(h, d0 + j, keep)..shape.k_byte(h, d0 + j, bt)].fill(0);
-                let at = shape.bound_byte(h, d0 + j);
-                store(page, at, lo_bits[j]);
-                store(page, at + 2, hi_bits[j]);
-            }
+        for d in 0..dim {
+            // A channel's keys are contiguous, in slot order.
+            let (lo, hi) = first_extremes(format, &page[shape.k_byte(h, d, 0)..shape.k_byte(h, d, keep)]);
+            page[shape.k_byte(h, d, keep)..shape.k_byte(h, d, bt)].fill(0);
+            let at = shape.bound_byte(h, d);
+            store(page, at, lo);
+            store(page, at + 2, hi);
         }
     }
     Ok(())
+}
+
+/// The key bounds (bits) [`widen`] leaves when one channel's keys, `raw` (little-endian 16-bit
+/// keys of `format` in slot order), are widened one by one into empty bounds: the first key of
+/// the smallest value and the first of the largest (±0 are equal, so the first zero stands); NaN
+/// keys never enter; where no key passes a bound, the empty bound's bits (±infinity, the bits an
+/// infinite key has too).
+///
+/// On the bits alone, with no float conversion: sign-magnitude bits map to an unsigned order (a
+/// negative key's bits inverted, a positive key's with the top bit set; a NaN to the far end of
+/// each search). One pass over the channel, which runs on vectors, finds the extremes of that
+/// order; a scan that stops at the first hit then finds the slot holding each. Measured with the
+/// last table of `cargo bench -p kvmm-kernels --bench rows`: 2.9–3.0× a 5-token `write_rows`, against
+/// 4.1× for widening 64 channels at a time token by token as the writer does (each key gathered
+/// from its channel-major place).
+fn first_extremes(format: Format, raw: &[u8]) -> (u16, u16) {
+    const SLOTS: usize = 64;
+    let infinity: u16 = if format == Format::Bf16 { 0x7f80 } else { 0x7c00 };
+    let order = |b: u16| if b & 0x8000 != 0 { !b } else { b | 0x8000 };
+    // A key's order is never 0 or u16::MAX (those would be NaN bits), so these mean "none".
+    let (mut low, mut high) = (u16::MAX, 0u16);
+    let mut bits = [0u16; SLOTS];
+    for chunk in raw.chunks(2 * SLOTS) {
+        let n = chunk.len() / 2;
+        for (b, p) in bits[..n].iter_mut().zip(chunk.chunks_exact(2)) {
+            *b = u16::from_le_bytes([p[0], p[1]]);
+        }
+        for &b in &bits[..n] {
+            let (o, nan) = (order(b), b & 0x7fff > infinity);
+            low = low.min(if nan { u16::MAX } else { o });
+            high = high.max(if nan { 0 } else { o });
+        }
+    }
+    // The bits of the first key of order `o` (the bits `o` inverts to), or of either zero where
+    // `o` is a zero's.
+    let first = |o: u16| {
+        let (mask, want) = match o {
+            0x7fff | 0x8000 => (0x7fff, 0),
+            _ if o & 0x8000 != 0 => (0xffff, o & 0x7fff),
+            _ => (0xffff, !o),
+        };
+        raw.chunks_exact(2).map(|p| u16::from_le_bytes([p[0], p[1]])).find(|&b| b & mask == want)
+    };
+    let lo = if low == u16::MAX { None } else { first(low) };
+    let hi = if high == 0 { None } else { first(high) };
+    (lo.unwrap_or(infinity), hi.unwrap_or(infinity | 0x8000))
 }
 
 /// Reads `n` tokens starting at slot `token` back into `f32` rows, in the same token-major order
