@@ -565,6 +565,12 @@ impl Drop for Worker {
     }
 }
 
+/// The number after `label` in a report line (`"attention worst 4.7e-07"`, label `"worst"`).
+pub fn number_after(line: &str, label: &str) -> f64 {
+    let mut words = line.split_whitespace().skip_while(|w| *w != label);
+    words.nth(1).and_then(|w| w.parse().ok()).unwrap_or_else(|| panic!("no number after {label:?} in {line:?}"))
+}
+
 /// Parses `key=value` pairs of a report line.
 pub fn fields(line: &str) -> std::collections::HashMap<String, String> {
     line.split_whitespace().filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned()))).collect()

@@ -1,7 +1,7 @@
 //! K/V rows and their checks for the scenarios that append through the Rust client with a
 //! SmolLM2-like head shape: 3 KV heads, 9 query heads, head_dim 64.
 
-use kvmm_client::Session;
+use kvmm_client::{Geometry, Session};
 use kvmm_kernels::reference_attention_f32;
 
 /// KV heads.
@@ -12,6 +12,11 @@ pub const Q: usize = 9;
 pub const DIM: usize = 64;
 /// Elements of one token's K (or V) row.
 pub const ROW: usize = KV * DIM;
+
+/// A session of `layers` layers of this head shape, up to 4,096 tokens.
+pub fn geometry(layers: u32) -> Geometry {
+    Geometry::new(layers, KV as u32, Q as u32, DIM as u32, 4096)
+}
 
 /// `tokens` rows of values f16 holds exactly (multiples of 1/64 in [-2, 2]), so a reference over
 /// the f32 rows sees what the pages hold.

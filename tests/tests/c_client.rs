@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use kvmm_proto::v1::{ListSessionsRequest, Priority};
-use kvmm_tests::{Daemon, libkvmm, libkvmm_static, wait_timeout};
+use kvmm_tests::{Daemon, libkvmm, libkvmm_static, number_after, wait_timeout};
 
 /// `tests/c/session.c`, compiled once per test binary beside the library it links (a build output
 /// like the library; the tests of this file share it).
@@ -70,12 +70,6 @@ fn line<'a>(lines: &'a [String], prefix: &str) -> &'a str {
     let found: Vec<_> = lines.iter().filter(|l| l.starts_with(prefix)).collect();
     assert_eq!(found.len(), 1, "one line starting {prefix:?} in:\n{}", lines.join("\n"));
     found[0]
-}
-
-/// The number after `label` in a line (`"attention worst 4.7e-07"`, label `"worst"`).
-fn number_after(line: &str, label: &str) -> f64 {
-    let mut words = line.split_whitespace().skip_while(|w| *w != label);
-    words.nth(1).and_then(|w| w.parse().ok()).unwrap_or_else(|| panic!("no number after {label:?} in {line:?}"))
 }
 
 #[test]

@@ -8,12 +8,12 @@
 
 use kvmm_client::{Client, Geometry};
 use kvmm_tests::Daemon;
-use kvmm_tests::rows::{DIM, KV, Q, ROW, attend, rows, worst_error};
+use kvmm_tests::rows::{self, DIM, Q, ROW, attend, rows, worst_error};
 
 const LAYERS: u32 = 2;
 
 fn geometry() -> Geometry {
-    Geometry::new(LAYERS, KV as u32, Q as u32, DIM as u32, 4096)
+    rows::geometry(LAYERS)
 }
 
 #[test]

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use kvmm_tests::{Daemon, libkvmm, libkvmm_static, workspace_bin};
+use kvmm_tests::{Daemon, libkvmm, libkvmm_static, number_after, workspace_bin};
 
 /// The most `systemd-analyze security` may rate kvmmd.service (0 is best, 10 worst).
 const MAX_EXPOSURE: f64 = 2.0;
@@ -528,9 +528,8 @@ fn the_installed_c_api_builds_a_client_through_pkg_config() {
     let socket = daemon.socket();
     let left = run(Command::new(&program).arg("leave").arg(&socket).env_remove("LD_LIBRARY_PATH")).ok("leave");
     let left = left.stdout.lines().find(|l| l.starts_with("left ")).unwrap_or_else(|| panic!("{}", left.stdout));
+    assert!(number_after(left, "worst") < 1e-5, "{left}");
     let words: Vec<&str> = left.split_whitespace().collect();
-    let worst: f64 = words[words.iter().position(|w| *w == "worst").unwrap() + 1].parse().unwrap();
-    assert!(worst < 1e-5, "{left}");
     daemon.wait_status(Duration::from_secs(10), |s| s.orphaned_sessions == 2);
     let resumed = run(Command::new(&program).arg("resume").arg(&socket).env_remove("LD_LIBRARY_PATH")).ok("resume");
     // The same attention over the pages the first process left, bit for bit.

@@ -9,7 +9,7 @@
 use kvmm_client::{Client, Geometry, Session, f16};
 use kvmm_kernels::Format;
 use kvmm_proto::v1::{PageFormat, Tier};
-use kvmm_tests::rows::{DIM, KV, Q, ROW, attend, rows, worst_error};
+use kvmm_tests::rows::{self, DIM, Q, ROW, attend, rows, worst_error};
 use kvmm_tests::{Daemon, fields, spawn_client};
 
 const LAYERS: u32 = 2;
@@ -18,7 +18,7 @@ const LAYERS: u32 = 2;
 const CANARY: &[u8; 16] = b"KVMM-TRUNC-9a3f!";
 
 fn geometry() -> Geometry {
-    Geometry::new(LAYERS, KV as u32, Q as u32, DIM as u32, 4096)
+    rows::geometry(LAYERS)
 }
 
 /// Value rows whose every head starts with the canary's bytes (as f16, exactly).
