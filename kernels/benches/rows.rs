@@ -7,8 +7,9 @@
 //! then a second pass over the stored keys for the bounds), for the ratio within one run.
 //!
 //! Then `truncate_rows` as a speculative decoder uses it: 3 of a full f16 page's 32 tokens taken
-//! back (keys zeroed past the kept 29, key bounds recomputed over them), in µs a page, beside
-//! `write_rows` of the 5 draft tokens that preceded it, and their ratio.
+//! back (keys zeroed past the kept 29, key bounds recomputed over them), in µs a page, by the
+//! scalar kernel and by the best of this CPU, beside `write_rows` of the 5 draft tokens that
+//! preceded it, and the ratios to it.
 //!
 //! `cargo bench -p kvmm-kernels --bench rows` (`KVMM_BENCH_RUNS=300` for the best of more runs)
 
@@ -19,7 +20,7 @@ use support::best_seconds;
 use std::hint::black_box;
 
 use half::{bf16, f16};
-use kvmm_kernels::{Format, PageShape, RowElement, init_page, truncate_rows, write_rows};
+use kvmm_kernels::{Format, Isa, PageShape, RowElement, init_page, truncate_rows_with, write_rows};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -171,12 +172,22 @@ fn main() {
     truncation(runs);
 }
 
-/// `truncate_rows` keeping 29 of 32 tokens against `write_rows` of 5 tokens, µs a page, alternating.
+/// `truncate_rows` keeping 29 of 32 tokens, scalar and the best kernel, against `write_rows` of 5
+/// tokens, µs a page, alternating.
 fn truncation(runs: usize) {
     const KEEP: usize = BLOCK_TOKENS - 3;
     const DRAFTS: usize = 5;
+    let best = Isa::detect();
     println!();
-    println!("{:<10} {:>22} {:>22} {:>7}", "f16 page", "truncate_rows 3 of 32", "write_rows 5 tokens", "ratio");
+    println!(
+        "{:<10} {:>16} {:>16} {:>19} {:>7} {:>7}",
+        "f16 page",
+        "truncate scalar",
+        format!("truncate {best}"),
+        "write_rows 5 tokens",
+        "scalar",
+        best.name()
+    );
     for (name, kv_heads, head_dim) in [("smollm2", 3, 64), ("llama3-8b", 8, 128)] {
         let shape = PageShape { kv_heads, head_dim, block_tokens: BLOCK_TOKENS };
         let row = kv_heads * head_dim;
@@ -190,14 +201,18 @@ fn truncation(runs: usize) {
             write_rows(shape, Format::F16, page, 0, &k, &v).expect("rows fit");
         }
         let drafts = (BLOCK_TOKENS - DRAFTS) * row..BLOCK_TOKENS * row;
-        let (mut truncate, mut write) = (f64::INFINITY, f64::INFINITY);
-        for _ in 0..3 {
-            truncate = truncate.min(best_seconds(runs, || {
+        let [mut scalar, mut fast, mut write] = [f64::INFINITY; 3];
+        let truncate = |isa: Isa, pages: &mut [u8]| {
+            best_seconds(runs, || {
                 for page in pages.chunks_exact_mut(bytes) {
-                    truncate_rows(shape, Format::F16, page, KEEP).expect("a 16-bit page");
+                    truncate_rows_with(isa, shape, Format::F16, page, KEEP).expect("a 16-bit page");
                     black_box(&page);
                 }
-            }));
+            })
+        };
+        for _ in 0..3 {
+            scalar = scalar.min(truncate(Isa::Scalar, &mut pages));
+            fast = fast.min(truncate(best, &mut pages));
             write = write.min(best_seconds(runs, || {
                 for page in pages.chunks_exact_mut(bytes) {
                     let first = BLOCK_TOKENS - DRAFTS;
@@ -207,7 +222,11 @@ fn truncation(runs: usize) {
                 }
             }));
         }
-        let (truncate, write) = (truncate / PAGES as f64 * 1e6, write / PAGES as f64 * 1e6);
-        println!("{name:<10} {truncate:>19.2} µs {write:>19.2} µs {:>6.2}×", truncate / write);
+        let [scalar, fast, write] = [scalar, fast, write].map(|s| s / PAGES as f64 * 1e6);
+        println!(
+            "{name:<10} {scalar:>13.2} µs {fast:>13.2} µs {write:>16.2} µs {:>6.2}× {:>6.2}×",
+            scalar / write,
+            fast / write
+        );
     }
 }

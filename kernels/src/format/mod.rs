@@ -38,6 +38,8 @@ pub mod quant;
 mod quant_avx512;
 pub(crate) mod read;
 pub mod rows;
+#[cfg(target_arch = "x86_64")]
+mod rows_avx512;
 pub mod to_page;
 
 use std::fmt;
