@@ -2,9 +2,10 @@
 //! widened), one thread, in elements per second (an element is one K or V value): a whole page of
 //! 32 tokens per call (prefill) and one token per call (decode), from f32 rows into f16 and bf16
 //! pages and from f16 rows into an f16 page, for the SmolLM2 (3 × 64) and Llama-3-8B (8 × 128)
-//! shapes. 64 pages cycled, in cache. Beside each, the same write element by element (the rule the
-//! writer implements and how it was written before: each element converted alone, put in place,
-//! then a second pass over the stored keys for the bounds), for the ratio within one run.
+//! shapes. 64 pages cycled, in cache. The best writer of this CPU, beside the scalar writer (the
+//! ratio is between these two) and the same write element by element (the rule the writers
+//! implement and how it was written before: each element converted alone, put in place, then a
+//! second pass over the stored keys for the bounds), all in one run.
 //!
 //! Then `truncate_rows` as a speculative decoder uses it: 3 of a full f16 page's 32 tokens taken
 //! back (keys zeroed past the kept 29, key bounds recomputed over them), in µs a page, by the
@@ -20,7 +21,7 @@ use support::best_seconds;
 use std::hint::black_box;
 
 use half::{bf16, f16};
-use kvmm_kernels::{Format, Isa, PageShape, RowElement, init_page, truncate_rows_with, write_rows};
+use kvmm_kernels::{Format, Isa, PageShape, RowElement, init_page, truncate_rows_with, write_rows, write_rows_with};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -89,6 +90,15 @@ fn element_by_element<E: Element>(shape: PageShape, format: Format, page: &mut [
     }
 }
 
+/// Which writer a measurement runs.
+#[derive(Clone, Copy)]
+enum Writer {
+    /// `write_rows_with` this kernel.
+    Kernel(Isa),
+    /// [`element_by_element`].
+    ByElement,
+}
+
 /// G elements/s of writing `k`/`v` (one page's rows) into every page, `tokens` per call.
 #[allow(clippy::too_many_arguments, reason = "a bench helper")]
 fn measure<E: Element>(
@@ -99,7 +109,7 @@ fn measure<E: Element>(
     k: &[E],
     v: &[E],
     tokens: usize,
-    baseline: bool,
+    writer: Writer,
 ) -> f64 {
     let bytes = shape.page_bytes(format);
     let row = shape.kv_heads * shape.head_dim;
@@ -107,10 +117,11 @@ fn measure<E: Element>(
         for page in pages.chunks_exact_mut(bytes) {
             for first in (0..BLOCK_TOKENS).step_by(tokens) {
                 let rows = first * row..(first + tokens) * row;
-                if baseline {
-                    element_by_element(shape, format, page, first, &k[rows.clone()], &v[rows]);
-                } else {
-                    write_rows(shape, format, page, first, &k[rows.clone()], &v[rows]).expect("rows fit");
+                match writer {
+                    Writer::Kernel(isa) => {
+                        write_rows_with(isa, shape, format, page, first, &k[rows.clone()], &v[rows]).expect("rows fit")
+                    }
+                    Writer::ByElement => element_by_element(shape, format, page, first, &k[rows.clone()], &v[rows]),
                 }
             }
             black_box(&page);
@@ -125,14 +136,24 @@ fn main() {
         return;
     }
     let runs = std::env::var("KVMM_BENCH_RUNS").ok().and_then(|r| r.parse().ok()).unwrap_or(100);
+    let best = Isa::detect();
     println!("single thread, block_tokens {BLOCK_TOKENS}, {PAGES} pages cycled; G elements/s (1e9 per second)");
     println!(
-        "{:<10} {:<12} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7}",
-        "", "", "32 tokens", "a call", "", "1 token", "a call", ""
+        "{:<10} {:<12} {:>10} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>7}",
+        "", "", "32 tokens", "a call", "", "", "1 token", "a call", "", ""
     );
     println!(
-        "{:<10} {:<12} {:>10} {:>10} {:>7} {:>10} {:>10} {:>7}",
-        "shape", "rows → page", "writer", "by element", "ratio", "writer", "by element", "ratio"
+        "{:<10} {:<12} {:>10} {:>10} {:>10} {:>7} {:>10} {:>10} {:>10} {:>7}",
+        "shape",
+        "rows → page",
+        best.name(),
+        "scalar",
+        "by element",
+        "ratio",
+        best.name(),
+        "scalar",
+        "by element",
+        "ratio"
     );
     for (name, kv_heads, head_dim) in [("smollm2", 3, 64), ("llama3-8b", 8, 128)] {
         let shape = PageShape { kv_heads, head_dim, block_tokens: BLOCK_TOKENS };
@@ -150,22 +171,23 @@ fn main() {
             for page in pages.chunks_exact_mut(bytes) {
                 init_page(shape, format, page).expect("valid shape");
             }
-            // Writer and baseline alternate, so a change of the machine's speed hits both.
-            let mut figures = [0.0f64; 4];
-            for (i, (tokens, baseline)) in
-                [(BLOCK_TOKENS, false), (BLOCK_TOKENS, true), (1, false), (1, true)].into_iter().enumerate()
+            // The writers alternate, so a change of the machine's speed hits all of them.
+            let mut figures = [0.0f64; 6];
+            let writers = [Writer::Kernel(best), Writer::Kernel(Isa::Scalar), Writer::ByElement];
+            for (i, (tokens, writer)) in [BLOCK_TOKENS, 1].into_iter().flat_map(|t| writers.map(|w| (t, w))).enumerate()
             {
                 figures[i] = if sixteen {
-                    measure(runs, shape, format, &mut pages, &k16, &v16, tokens, baseline)
+                    measure(runs, shape, format, &mut pages, &k16, &v16, tokens, writer)
                 } else {
-                    measure(runs, shape, format, &mut pages, &k, &v, tokens, baseline)
+                    measure(runs, shape, format, &mut pages, &k, &v, tokens, writer)
                 };
             }
-            let [whole, whole_base, single, single_base] = figures;
+            let [whole, whole_scalar, whole_base, single, single_scalar, single_base] = figures;
             println!(
-                "{name:<10} {label:<12} {whole:>10.3} {whole_base:>10.3} {:>6.2}× {single:>10.3} {single_base:>10.3} {:>6.2}×",
-                whole / whole_base,
-                single / single_base
+                "{name:<10} {label:<12} {whole:>10.3} {whole_scalar:>10.3} {whole_base:>10.3} {:>6.2}× \
+                 {single:>10.3} {single_scalar:>10.3} {single_base:>10.3} {:>6.2}×",
+                whole / whole_scalar,
+                single / single_scalar
             );
         }
     }

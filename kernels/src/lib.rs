@@ -37,6 +37,8 @@ pub use error::{KernelError, KernelErrorKind};
 pub use format::bounds::key_bounds;
 pub use format::header::{HEADER_BYTES, PageHeader, init_page};
 pub use format::quant::{QuantLayout, dequantize, dequantize_with, quantize, quantize_with, requantize};
-pub use format::rows::{RowElement, read_rows, truncate_rows, truncate_rows_with, write_rows, write_rows_raw};
+pub use format::rows::{
+    RowElement, read_rows, truncate_rows, truncate_rows_with, write_rows, write_rows_raw, write_rows_with,
+};
 pub use format::to_page::{dequantize_page, dequantize_page_with};
 pub use format::{ElementType, Format, PageShape};

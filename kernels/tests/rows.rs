@@ -3,7 +3,7 @@
 use half::{bf16, f16};
 use kvmm_kernels::{
     Format, Isa, KernelError, PageShape, init_page, key_bounds, read_rows, truncate_rows, truncate_rows_with,
-    write_rows, write_rows_raw,
+    write_rows, write_rows_raw, write_rows_with,
 };
 use proptest::prelude::*;
 
@@ -215,10 +215,11 @@ proptest! {
     /// value rounded once into its place, then each channel's bounds widened by the stored keys in
     /// token order (a key replaces a bound it passes strictly or a NaN bound; a NaN key never
     /// passes). Inputs are arbitrary bit patterns (NaNs, infinities, subnormals, ±0), in several
-    /// calls, onto a page whose bounds start arbitrary too; heads wider than the writer's
-    /// 64-channel step included.
+    /// calls, onto a page whose bounds start arbitrary too; heads wider than the scalar writer's
+    /// 64-channel step and the AVX-512 writer's 32 included; each kernel available here.
     #[test]
     fn the_writer_matches_the_element_by_element_rule(
+        isa in prop::sample::select(Isa::available()),
         kv_heads in 1usize..=3,
         head_dim in prop_oneof![1usize..=20, 60usize..=140],
         block_log in 0u32..=5,
@@ -260,17 +261,17 @@ proptest! {
             let stored: Vec<u16> = match source {
                 0 => {
                     let x: Vec<f32> = raw.iter().map(|&r| f32::from_bits(r as u32)).collect();
-                    write_rows(shape, format, &mut page, first, &x[..count * row], &x[count * row..]).unwrap();
+                    write_rows_with(isa, shape, format, &mut page, first, &x[..count * row], &x[count * row..]).unwrap();
                     x.iter().map(|&x| if bf { bf16::from_f32(x).to_bits() } else { f16::from_f32(x).to_bits() }).collect()
                 }
                 1 => {
                     let x: Vec<f16> = raw.iter().map(|&r| f16::from_bits(r as u16)).collect();
-                    write_rows(shape, format, &mut page, first, &x[..count * row], &x[count * row..]).unwrap();
+                    write_rows_with(isa, shape, format, &mut page, first, &x[..count * row], &x[count * row..]).unwrap();
                     x.iter().map(|&x| if bf { bf16::from_f32(x.to_f32()).to_bits() } else { x.to_bits() }).collect()
                 }
                 _ => {
                     let x: Vec<bf16> = raw.iter().map(|&r| bf16::from_bits(r as u16)).collect();
-                    write_rows(shape, format, &mut page, first, &x[..count * row], &x[count * row..]).unwrap();
+                    write_rows_with(isa, shape, format, &mut page, first, &x[..count * row], &x[count * row..]).unwrap();
                     x.iter().map(|&x| if bf { x.to_bits() } else { f16::from_f32(x.to_f32()).to_bits() }).collect()
                 }
             };
@@ -302,7 +303,7 @@ proptest! {
                     want[at + 2..][..2].copy_from_slice(&hi.to_le_bytes());
                 }
             }
-            prop_assert!(page == want, "the page differs from the rule after writing {} tokens at {}", count, first);
+            prop_assert!(page == want, "{}: the page differs from the rule after writing {} tokens at {}", isa, count, first);
             first += count;
         }
     }
@@ -419,4 +420,19 @@ fn truncating_keeps_the_first_zero_across_vectors_of_slots() {
         truncate_rows_with(isa, shape, Format::F16, &mut page, 100).unwrap();
         assert!(page == want, "{isa}: the page differs from a blank page given the first 100 tokens");
     }
+}
+
+/// A kernel this build or CPU lacks is refused by name, and the page is left as it was.
+#[test]
+fn a_kernel_this_cpu_lacks_is_refused() {
+    let Some(missing) = Isa::ALL.into_iter().find(|isa| !isa.is_available()) else {
+        return;
+    };
+    let mut page = empty_page(SHAPE, Format::F16);
+    let before = page.clone();
+    let rows = vec![1.0f32; SHAPE.kv_heads * SHAPE.head_dim];
+    let refused = KernelError::IsaUnavailable { isa: missing.name() };
+    assert_eq!(write_rows_with(missing, SHAPE, Format::F16, &mut page, 0, &rows, &rows).unwrap_err(), refused);
+    assert_eq!(truncate_rows_with(missing, SHAPE, Format::F16, &mut page, 0).unwrap_err(), refused);
+    assert!(page == before);
 }

@@ -1,7 +1,29 @@
-//! AVX-512 key pass of `truncate_rows`: the same bytes as the scalar code of `rows.rs`.
+//! AVX-512 kernels of `rows.rs`, writing the same bytes as its scalar code: the row writer and
+//! the key pass of `truncate_rows`.
 //!
-//! A channel's keys are contiguous in slot order (the channel-major K region of
-//! [`crate::format::layout`]), so up to 32 slots of one channel are one vector. Per channel:
+//! **Writer**, per KV head and run of up to 32 channels: the run's key bounds loaded as two
+//! vectors of interleaved `(min, max)` pairs and split into a min and a max vector; then token by
+//! token, the values and keys converted 32 at a time, the values stored as their row, the keys
+//! spread over their channel-major places, and the bounds widened on the bits; at the end the
+//! bounds interleaved and stored back.
+//!
+//! ```text
+//!   rows (token-major)           page
+//!   v[t][h][d0..d0+32] ──convert──▶ V region, row (h, slot): one masked store
+//!   k[t][h][d0..d0+32] ──convert──▶ K region, channel d: slot `first + t`, 32 two-byte stores
+//!                                    bounds (h, d0..d0+32): min/max widened per lane
+//! ```
+//!
+//! Conversions round as `rows.rs` does: f32 → f16 by `vcvtps2ph` to nearest even (the instruction
+//! the `half` crate uses where F16C is present), f32 → bf16 to nearest even on the bits with a
+//! NaN's top mantissa bit set (the `half` crate's rule), 16-bit rows of the page's own type copied.
+//! The bounds rule is `widen` in `rows.rs`: a key replaces a bound it passes or a NaN bound,
+//! compared here in the unsigned order of the bits (both zeros one value, so an equal zero never
+//! replaces the first); a NaN key never passes.
+//!
+//! **Truncate's key pass.** A channel's keys are contiguous in slot order (the channel-major K
+//! region of [`crate::format::layout`]), so up to 32 slots of one channel are one vector. Per
+//! channel:
 //!
 //! ```text
 //!   slots 0 .. keep (kept)                      keep .. block_tokens
@@ -22,11 +44,14 @@
 //! real key's order is never 0 or `u16::MAX` (those are NaN bits), so they are the neutral
 //! elements of max and min, and mean "no key" after the fold.
 //!
-//! Memory safety rests on the slices the caller passes: every pointer below is derived from
-//! `keys`, one channel's `2 × block_tokens` bytes at a time, and every load and store is masked to
-//! the lanes of that channel.
+//! Memory safety rests on the slices the callers pass: every pointer below is derived from a
+//! slice whose length was checked against the offsets the [`PageShape`] computes, and every
+//! vector load and store is masked to the lanes inside it.
 
 use std::arch::x86_64::*;
+
+use super::rows::{RowElement, Source, source_of};
+use crate::format::{Format, PageShape};
 
 /// Slots of one channel a vector holds.
 const LANES: usize = 32;
@@ -48,6 +73,214 @@ fn fold_min(v: __m512i) -> u16 {
     _mm_extract_epi16::<0>(_mm_minpos_epu16(quarter)) as u16
 }
 
+/// Lanes holding NaN bits (a magnitude above `infinite`, the format's +∞ bits in every lane).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn nan_lanes(bits: __m512i, infinite: __m512i) -> __mmask32 {
+    _mm512_cmpgt_epu16_mask(_mm512_and_si512(bits, _mm512_set1_epi16(0x7fff)), infinite)
+}
+
+/// The unsigned order of the values of 16-bit patterns (sign and magnitude): a negative pattern
+/// inverted, a positive one with its top bit set, and both zeros [`ZERO`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn order(bits: __m512i) -> __m512i {
+    let top = _mm512_set1_epi16(ZERO as i16);
+    // bits ^ (sign spread | 0x8000): A ^ (B | C) is 0x1e.
+    let order = _mm512_ternarylogic_epi32::<0x1e>(bits, _mm512_srai_epi16::<15>(bits), top);
+    _mm512_mask_mov_epi16(order, _mm512_testn_epi16_mask(bits, _mm512_set1_epi16(0x7fff)), top)
+}
+
+/// Running key bounds `(lo, hi)` (bits, lane per channel) widened to `keys` (bits) by the rule of
+/// `widen` in `rows.rs`: a key replaces a bound it passes or a NaN bound; a NaN key passes none.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn widen(lo: __m512i, hi: __m512i, keys: __m512i, infinite: __m512i) -> (__m512i, __m512i) {
+    let (nan_key, nan_lo, nan_hi) = (nan_lanes(keys, infinite), nan_lanes(lo, infinite), nan_lanes(hi, infinite));
+    let key = order(keys);
+    let below = (_mm512_cmplt_epu16_mask(key, order(lo)) & !nan_key) | nan_lo;
+    let above = (_mm512_cmpgt_epu16_mask(key, order(hi)) & !nan_key) | nan_hi;
+    (_mm512_mask_mov_epi16(lo, below, keys), _mm512_mask_mov_epi16(hi, above, keys))
+}
+
+/// bf16 bits of 16 f32 lanes, in the low half of each 32-bit lane: to nearest even, a NaN's top
+/// mantissa bit set (the `half` crate's `bf16::from_f32`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn bf16_bits(x: __m512) -> __m512i {
+    let x = _mm512_castps_si512(x);
+    let nan =
+        _mm512_cmpgt_epu32_mask(_mm512_and_si512(x, _mm512_set1_epi32(0x7fff_ffff)), _mm512_set1_epi32(0x7f80_0000));
+    let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
+    let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(x, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))));
+    let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(0x40));
+    _mm512_mask_mov_epi32(rounded, nan, quiet)
+}
+
+/// Two vectors of 16 f32 as 32 lanes of 16-bit bits of f16 or bf16, `a` in lanes 0..16.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+fn pack(a: __m512, b: __m512, bf16: bool) -> __m512i {
+    let (a, b) = if bf16 {
+        (_mm512_cvtepi32_epi16(bf16_bits(a)), _mm512_cvtepi32_epi16(bf16_bits(b)))
+    } else {
+        const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        (_mm512_cvtps_ph::<NEAREST>(a), _mm512_cvtps_ph::<NEAREST>(b))
+    };
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b)
+}
+
+/// Elements `0..n` of a row of `E` from `src`, converted to the bits of `format` (f16 or bf16) as
+/// `rows.rs` converts them, in lanes `0..n`; the other lanes 0.
+///
+/// # Safety
+///
+/// `n ≤ 32`, and `src` must be valid for reads of `n` elements of `E`; the CPU must support the
+/// enabled features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+unsafe fn convert<E: RowElement>(src: *const E, n: usize, format: Format) -> __m512i {
+    let lanes = below(n);
+    let bf16 = format == Format::Bf16;
+    match source_of::<E>() {
+        Source::F32 => {
+            let src = src.cast::<f32>();
+            // SAFETY: the masked loads read elements `0..n` only, which the caller guarantees;
+            // the second address is formed without `add` since it may lie past the row.
+            let (a, b) = unsafe {
+                (
+                    _mm512_maskz_loadu_ps(lanes as __mmask16, src),
+                    _mm512_maskz_loadu_ps((lanes >> 16) as __mmask16, src.wrapping_add(16)),
+                )
+            };
+            pack(a, b, bf16)
+        }
+        from => {
+            // SAFETY: the masked load reads elements `0..n` only, which the caller guarantees.
+            let bits = unsafe { _mm512_maskz_loadu_epi16(lanes, src.cast()) };
+            if (from == Source::Bf16) == bf16 {
+                return bits;
+            }
+            let (low, high) = (_mm512_castsi512_si256(bits), _mm512_extracti64x4_epi64::<1>(bits));
+            let wide = |half: __m256i| {
+                if from == Source::Bf16 {
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half)))
+                } else {
+                    _mm512_cvtph_ps(half)
+                }
+            };
+            pack(wide(low), wide(high), bf16)
+        }
+    }
+}
+
+/// Lane indices of `_mm512_permutex2var_epi16` over two vectors of interleaved `(min, max)` pairs
+/// (lanes 0..32 the first vector, 32..64 the second): the mins, the maxes; and back, over a min
+/// and a max vector: the pairs of channels 0..16, of 16..32.
+const MINS: [u16; LANES] = {
+    let mut lanes = [0u16; LANES];
+    let mut j = 0;
+    while j < LANES {
+        lanes[j] = 2 * j as u16;
+        j += 1;
+    }
+    lanes
+};
+const MAXES: [u16; LANES] = {
+    let mut lanes = MINS;
+    let mut j = 0;
+    while j < LANES {
+        lanes[j] += 1;
+        j += 1;
+    }
+    lanes
+};
+const PAIRS: [[u16; LANES]; 2] = {
+    let mut pairs = [[0u16; LANES]; 2];
+    let mut j = 0;
+    while j < 2 * LANES {
+        // Lane `j` of the pairs: channel `j / 2`'s min (even `j`) or max (odd, the second operand).
+        let channel = (j / 2) as u16;
+        pairs[j / LANES][j % LANES] = if j % 2 == 0 { channel } else { LANES as u16 + channel };
+        j += 1;
+    }
+    pairs
+};
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn lanes_of(indices: &[u16; LANES]) -> __m512i {
+    // SAFETY: 64 readable bytes.
+    unsafe { _mm512_loadu_si512(indices.as_ptr().cast()) }
+}
+
+/// The row writer of `rows.rs` (`write_rows_impl`) on AVX-512: `k.len() / (kv_heads × head_dim)`
+/// tokens of rows into slots from `first` of `page`, a 16-bit page of `format` with a valid header,
+/// the same bytes as the scalar writer.
+///
+/// Panics if the rows or the page disagree with the shape or the slots pass the page's last.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+pub(crate) fn write_rows<E: RowElement>(
+    shape: PageShape,
+    format: Format,
+    page: &mut [u8],
+    first: usize,
+    k: &[E],
+    v: &[E],
+) {
+    let (heads, dim, bt) = (shape.kv_heads, shape.head_dim, shape.block_tokens);
+    let row = heads * dim;
+    let count = k.len() / row;
+    assert!(k.len() == count * row && v.len() == k.len(), "whole rows of keys and values");
+    assert!(first + count <= bt && page.len() >= shape.page_bytes(format), "slots inside the page");
+    let infinite = _mm512_set1_epi16(if format == Format::Bf16 { 0x7f80 } else { 0x7c00 });
+    let (mins, maxes) = (lanes_of(&MINS), lanes_of(&MAXES));
+    let (low_pairs, high_pairs) = (lanes_of(&PAIRS[0]), lanes_of(&PAIRS[1]));
+    let p = page.as_mut_ptr();
+    for h in 0..heads {
+        for d0 in (0..dim).step_by(LANES) {
+            let n = LANES.min(dim - d0);
+            let (first_pairs, second_pairs) = (below(2 * n), below((2 * n).saturating_sub(LANES)));
+            let bounds = p.wrapping_add(shape.bound_byte(h, d0));
+            // SAFETY: the `(min, max)` pairs of channels `d0..d0 + n` are the `2n` two-byte lanes
+            // from `bounds`, inside the page's bounds region; the masks hold those lanes only.
+            let (a, b) = unsafe {
+                (
+                    _mm512_maskz_loadu_epi16(first_pairs, bounds.cast()),
+                    _mm512_maskz_loadu_epi16(second_pairs, bounds.wrapping_add(64).cast()),
+                )
+            };
+            let (mut lo, mut hi) = (_mm512_permutex2var_epi16(a, mins, b), _mm512_permutex2var_epi16(a, maxes, b));
+            let mut keys = [0u16; LANES];
+            for i in 0..count {
+                let slot = first + i;
+                let r = (i * heads + h) * dim + d0;
+                // SAFETY: `r + n ≤ count × row`, the length of both rows, so elements `r..r + n`
+                // are readable.
+                let (values, key) =
+                    unsafe { (convert(v.as_ptr().add(r), n, format), convert(k.as_ptr().add(r), n, format)) };
+                // SAFETY: the values of channels `d0..d0 + n` at `slot` are `n` contiguous
+                // two-byte elements from `v_byte(h, slot, d0)`, inside the V region.
+                unsafe { _mm512_mask_storeu_epi16(p.add(shape.v_byte(h, slot, d0)).cast(), below(n), values) };
+                // SAFETY: 64 writable bytes.
+                unsafe { _mm512_storeu_si512(keys.as_mut_ptr().cast(), key) };
+                for (j, &bits) in keys[..n].iter().enumerate() {
+                    // SAFETY: `k_byte(h, d0 + j, slot)` with `j < n`, `slot < block_tokens`: a
+                    // two-byte key inside the K region.
+                    unsafe { p.add(shape.k_byte(h, d0 + j, slot)).cast::<u16>().write_unaligned(bits) };
+                }
+                (lo, hi) = widen(lo, hi, key, infinite);
+            }
+            let (a, b) = (_mm512_permutex2var_epi16(lo, low_pairs, hi), _mm512_permutex2var_epi16(lo, high_pairs, hi));
+            // SAFETY: the same lanes the loads above read.
+            unsafe {
+                _mm512_mask_storeu_epi16(bounds.cast(), first_pairs, a);
+                _mm512_mask_storeu_epi16(bounds.wrapping_add(64).cast(), second_pairs, b);
+            }
+        }
+    }
+}
+
 /// Zeroes the key slots `keep..block_tokens` of every channel of `keys` (the K region of a 16-bit
 /// page: channels of `block_tokens` little-endian 16-bit keys each, `bounds.len() / 4` of them)
 /// and writes each channel's `(min, max)` bits into its 4 bytes of `bounds`: exactly what
@@ -58,29 +291,23 @@ fn fold_min(v: __m512i) -> u16 {
 pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: usize, keep: usize, infinity: u16) {
     assert!(keep <= block_tokens && block_tokens > 0, "keep {keep} of {block_tokens} slots");
     assert_eq!(keys.len(), bounds.len() / 4 * 2 * block_tokens, "K region and bounds of one shape");
-    let magnitude = _mm512_set1_epi16(0x7fff);
-    let top = _mm512_set1_epi16(i16::MIN);
-    let infinite = _mm512_set1_epi16(infinity as i16);
+    let (infinite, zero_order) = (_mm512_set1_epi16(infinity as i16), _mm512_set1_epi16(ZERO as i16));
     let (zero, ones) = (_mm512_setzero_si512(), _mm512_set1_epi16(-1));
     let kept_vectors = keep.div_ceil(LANES);
     for (channel, bound) in keys.chunks_exact_mut(2 * block_tokens).zip(bounds.chunks_exact_mut(4)) {
         let p = channel.as_mut_ptr();
         // The order of vector `j`'s kept slots (`j < kept_vectors`), and which lanes hold a key
         // that is not NaN.
-        let order = |j: usize| -> (__m512i, __mmask32) {
+        let slots = |j: usize| -> (__m512i, __mmask32) {
             let lanes = below(keep - j * LANES);
             // SAFETY: slots `32j + lane` for the lanes in `lanes` are below `keep ≤ block_tokens`,
             // inside this channel's `2 × block_tokens` bytes; the masked load reads only those.
             let bits = unsafe { _mm512_maskz_loadu_epi16(lanes, p.add(2 * LANES * j).cast()) };
-            let nan = _mm512_cmpgt_epu16_mask(_mm512_and_si512(bits, magnitude), infinite);
-            let zeros = _mm512_testn_epi16_mask(bits, magnitude);
-            // bits ^ (sign spread | 0x8000): A ^ (B | C) is 0x1e.
-            let order = _mm512_ternarylogic_epi32::<0x1e>(bits, _mm512_srai_epi16::<15>(bits), top);
-            (_mm512_mask_mov_epi16(order, zeros, top), lanes & !nan)
+            (order(bits), lanes & !nan_lanes(bits, infinite))
         };
         let (mut low, mut high) = (ones, zero);
         for j in 0..kept_vectors {
-            let (order, valid) = order(j);
+            let (order, valid) = slots(j);
             low = _mm512_mask_min_epu16(low, valid, low, order);
             high = _mm512_mask_max_epu16(high, valid, high, order);
         }
@@ -90,8 +317,8 @@ pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: us
         let bits = |target: u16| match target {
             u16::MAX | 0 => None,
             ZERO => (0..kept_vectors).find_map(|j| {
-                let (order, valid) = order(j);
-                let hits = _mm512_mask_cmpeq_epu16_mask(valid, order, top);
+                let (order, valid) = slots(j);
+                let hits = _mm512_mask_cmpeq_epu16_mask(valid, order, zero_order);
                 let slot = j * LANES + hits.trailing_zeros() as usize;
                 // SAFETY: a hit is a lane of `valid`, so `slot < keep`, inside this channel.
                 (hits != 0).then(|| unsafe { p.add(2 * slot).cast::<u16>().read_unaligned() })
