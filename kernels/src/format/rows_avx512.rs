@@ -237,6 +237,8 @@ pub(crate) fn write_rows<E: RowElement>(
     let (mins, maxes) = (lanes_of(&MINS), lanes_of(&MAXES));
     let (low_pairs, high_pairs) = (lanes_of(&PAIRS[0]), lanes_of(&PAIRS[1]));
     let p = page.as_mut_ptr();
+    // Consecutive channels of one slot lie this far apart among the keys.
+    let channel_stride = 2 * bt;
     for h in 0..heads {
         for d0 in (0..dim).step_by(LANES) {
             let n = LANES.min(dim - d0);
@@ -264,10 +266,12 @@ pub(crate) fn write_rows<E: RowElement>(
                 unsafe { _mm512_mask_storeu_epi16(p.add(shape.v_byte(h, slot, d0)).cast(), below(n), values) };
                 // SAFETY: 64 writable bytes.
                 unsafe { _mm512_storeu_si512(keys.as_mut_ptr().cast(), key) };
-                for (j, &bits) in keys[..n].iter().enumerate() {
-                    // SAFETY: `k_byte(h, d0 + j, slot)` with `j < n`, `slot < block_tokens`: a
-                    // two-byte key inside the K region.
-                    unsafe { p.add(shape.k_byte(h, d0 + j, slot)).cast::<u16>().write_unaligned(bits) };
+                let mut place = p.wrapping_add(shape.k_byte(h, d0, slot));
+                for &bits in &keys[..n] {
+                    // SAFETY: `place` is `k_byte(h, d0 + j, slot)` for the `j`-th key, `j < n`, and
+                    // `slot < block_tokens`: a two-byte key inside the K region.
+                    unsafe { place.cast::<u16>().write_unaligned(bits) };
+                    place = place.wrapping_add(channel_stride);
                 }
                 (lo, hi) = widen(lo, hi, key, infinite);
             }
