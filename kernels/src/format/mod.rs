@@ -39,6 +39,8 @@ mod quant_avx512;
 pub(crate) mod read;
 pub mod rows;
 #[cfg(target_arch = "x86_64")]
+mod rows_avx2;
+#[cfg(target_arch = "x86_64")]
 mod rows_avx512;
 pub mod to_page;
 

@@ -215,8 +215,8 @@ fn widen(keys: &[f32], bits: &[u16], lo: (&mut [f32], &mut [u16]), hi: (&mut [f3
 /// keys never enter; a NaN bound, a corrupt summary, is replaced by the first key), in token order
 /// per channel.
 ///
-/// `isa` MUST have passed [`Isa::is_available`]; on AVX-512 the writer of `rows_avx512.rs` runs
-/// instead, with the same result.
+/// `isa` MUST have passed [`Isa::is_available`]; on AVX-512 and AVX2 the writers of
+/// `rows_avx512.rs` and `rows_avx2.rs` run instead, with the same result.
 fn write_rows_impl<E: RowElement>(
     isa: Isa,
     shape: PageShape,
@@ -231,6 +231,12 @@ fn write_rows_impl<E: RowElement>(
     if isa.is_avx512() {
         // SAFETY: `isa` passed `is_available`, so avx512f/bw/vl, avx2 and f16c were detected.
         unsafe { super::rows_avx512::write_rows(shape, format, page, first_token, k, v) };
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: `isa` passed `is_available`, so avx2, fma and f16c were detected.
+        unsafe { super::rows_avx2::write_rows(shape, format, page, first_token, k, v) };
         return Ok(());
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -296,8 +302,8 @@ pub fn write_rows<E: RowElement>(
 }
 
 /// [`write_rows`] with a chosen kernel (for tests and benchmarks); every kernel writes the same
-/// bytes. The AVX-512 writer converts 32 elements a vector and widens the bounds on their bits
-/// (`rows_avx512.rs`).
+/// bytes. The AVX-512 and AVX2 writers convert 32 and 16 elements a vector and widen the bounds
+/// on their bits (`rows_avx512.rs`, `rows_avx2.rs`).
 pub fn write_rows_with<E: RowElement>(
     isa: Isa,
     shape: PageShape,

@@ -1,0 +1,224 @@
+//! AVX2 row writer: the same bytes as the scalar writer of `rows.rs`, for x86-64 CPUs without
+//! AVX-512 (most laptop and small-form-factor Intel parts since 2021).
+//!
+//! The same steps as the AVX-512 writer of `rows_avx512.rs`, 16 channels a run (one 256-bit vector
+//! of 16-bit lanes):
+//!
+//! ```text
+//!   rows (token-major)           page
+//!   v[t][h][d0..d0+16] ──convert──▶ V region, row (h, slot): one store
+//!   k[t][h][d0..d0+16] ──convert──▶ K region, channel d: slot `first + t`, 16 two-byte stores
+//!                                    bounds (h, d0..d0+16): min/max widened per lane
+//! ```
+//!
+//! AVX2 has no masked 16-bit loads or stores and no unsigned 16-bit compares, so a run of fewer
+//! than 16 channels (a head narrower than 16, or the end of one) goes through a zeroed buffer on
+//! the stack, and the bounds are compared in the signed order of the bits (a negative key's
+//! magnitude bits flipped; both zeros 0, so an equal zero never replaces the first). Conversions
+//! round as `rows.rs` does: f32 → f16 by `vcvtps2ph` to nearest even (the instruction the `half`
+//! crate uses where F16C is present), f32 → bf16 to nearest even on the bits with a NaN's top
+//! mantissa bit set (the `half` crate's rule), 16-bit rows of the page's own type copied.
+//!
+//! Memory safety rests on the checks of the caller in `rows.rs` and the asserts below: every
+//! pointer is derived from the page or the rows at an offset the [`PageShape`] computes for a
+//! channel, slot and head inside them, and a partial run touches only its `n` elements.
+
+use std::arch::x86_64::*;
+
+use super::rows::{RowElement, Source, source_of};
+use crate::format::{Format, PageShape};
+
+/// Channels a run holds: 16-bit lanes of a vector.
+const LANES: usize = 16;
+
+/// Lanes holding NaN bits (a magnitude above `infinite`, the format's +∞ bits in every lane).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn nan_lanes(bits: __m256i, infinite: __m256i) -> __m256i {
+    _mm256_cmpgt_epi16(_mm256_and_si256(bits, _mm256_set1_epi16(0x7fff)), infinite)
+}
+
+/// The signed order of the values of 16-bit patterns (sign and magnitude): a negative pattern's
+/// magnitude bits flipped, and both zeros 0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn order(bits: __m256i) -> __m256i {
+    let magnitude = _mm256_set1_epi16(0x7fff);
+    let flipped = _mm256_xor_si256(bits, _mm256_and_si256(_mm256_srai_epi16::<15>(bits), magnitude));
+    let zero = _mm256_cmpeq_epi16(_mm256_and_si256(bits, magnitude), _mm256_setzero_si256());
+    _mm256_andnot_si256(zero, flipped)
+}
+
+/// Running key bounds `(lo, hi)` (bits, lane per channel) widened to `keys` (bits) by the rule of
+/// `widen` in `rows.rs`: a key replaces a bound it passes or a NaN bound; a NaN key passes none.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen(lo: __m256i, hi: __m256i, keys: __m256i, infinite: __m256i) -> (__m256i, __m256i) {
+    let key = order(keys);
+    let nan_key = nan_lanes(keys, infinite);
+    let below =
+        _mm256_or_si256(_mm256_andnot_si256(nan_key, _mm256_cmpgt_epi16(order(lo), key)), nan_lanes(lo, infinite));
+    let above =
+        _mm256_or_si256(_mm256_andnot_si256(nan_key, _mm256_cmpgt_epi16(key, order(hi))), nan_lanes(hi, infinite));
+    (_mm256_blendv_epi8(lo, keys, below), _mm256_blendv_epi8(hi, keys, above))
+}
+
+/// bf16 bits of 8 f32 lanes, in the low half of each 32-bit lane: to nearest even, a NaN's top
+/// mantissa bit set (the `half` crate's `bf16::from_f32`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn bf16_bits(x: __m256) -> __m256i {
+    let x = _mm256_castps_si256(x);
+    // No unsigned 32-bit compare: the magnitudes are below 2^31, so the signed one serves.
+    let nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fff_ffff)), _mm256_set1_epi32(0x7f80_0000));
+    let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
+    let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(x, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))));
+    let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(0x40));
+    _mm256_blendv_epi8(rounded, quiet, nan)
+}
+
+/// Two vectors of 8 f32 as 16 lanes of 16-bit bits of f16 or bf16, `a` in lanes 0..8.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn pack(a: __m256, b: __m256, bf16: bool) -> __m256i {
+    if bf16 {
+        // `packus` interleaves the 128-bit halves of its operands; the permute puts them in order.
+        let packed = _mm256_packus_epi32(bf16_bits(a), bf16_bits(b));
+        _mm256_permute4x64_epi64::<0b11_01_10_00>(packed)
+    } else {
+        const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT;
+        _mm256_set_m128i(_mm256_cvtps_ph::<NEAREST>(b), _mm256_cvtps_ph::<NEAREST>(a))
+    }
+}
+
+/// 16 elements of `E` from `src` converted to the bits of `format` (f16 or bf16) as `rows.rs`
+/// converts them.
+///
+/// # Safety
+///
+/// `src` must be valid for reads of 16 elements of `E`; the CPU must support the enabled features.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn convert<E: RowElement>(src: *const E, format: Format) -> __m256i {
+    let bf16 = format == Format::Bf16;
+    match source_of::<E>() {
+        Source::F32 => {
+            let src = src.cast::<f32>();
+            // SAFETY: 16 readable f32 from `src`, which the caller guarantees.
+            let (a, b) = unsafe { (_mm256_loadu_ps(src), _mm256_loadu_ps(src.add(8))) };
+            pack(a, b, bf16)
+        }
+        from => {
+            // SAFETY: 16 readable 16-bit elements from `src`, which the caller guarantees.
+            let bits = unsafe { _mm256_loadu_si256(src.cast()) };
+            if (from == Source::Bf16) == bf16 {
+                return bits;
+            }
+            let (low, high) = (_mm256_castsi256_si128(bits), _mm256_extracti128_si256::<1>(bits));
+            let wide = |half: __m128i| {
+                if from == Source::Bf16 {
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(half)))
+                } else {
+                    _mm256_cvtph_ps(half)
+                }
+            };
+            pack(wide(low), wide(high), bf16)
+        }
+    }
+}
+
+/// Elements `0..n` (`1 ≤ n ≤ 16`) of a row of `E`, `row`, converted as [`convert`] does, in lanes
+/// `0..n`; a partial run is read through a buffer (its other lanes are not used).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn convert_run<E: RowElement>(row: &[E], format: Format) -> __m256i {
+    if let Some(whole) = row.first_chunk::<LANES>() {
+        // SAFETY: `whole` is 16 readable elements.
+        return unsafe { convert(whole.as_ptr(), format) };
+    }
+    let mut buffer = [row[0]; LANES];
+    buffer[..row.len()].copy_from_slice(row);
+    // SAFETY: the buffer holds 16 readable elements.
+    unsafe { convert(buffer.as_ptr(), format) }
+}
+
+/// The row writer of `rows.rs` (`write_rows_impl`) on AVX2: `k.len() / (kv_heads × head_dim)`
+/// tokens of rows into slots from `first` of `page`, a 16-bit page of `format` with a valid header,
+/// the same bytes as the scalar writer.
+///
+/// Panics if the rows or the page disagree with the shape or the slots pass the page's last.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn write_rows<E: RowElement>(
+    shape: PageShape,
+    format: Format,
+    page: &mut [u8],
+    first: usize,
+    k: &[E],
+    v: &[E],
+) {
+    let (heads, dim, bt) = (shape.kv_heads, shape.head_dim, shape.block_tokens);
+    let row = heads * dim;
+    let count = k.len() / row;
+    assert!(k.len() == count * row && v.len() == k.len(), "whole rows of keys and values");
+    assert!(first + count <= bt && page.len() >= shape.page_bytes(format), "slots inside the page");
+    let infinite = _mm256_set1_epi16(if format == Format::Bf16 { 0x7f80 } else { 0x7c00 });
+    let (low_half, p) = (_mm256_set1_epi32(0xffff), page.as_mut_ptr());
+    // Consecutive channels of one slot lie this far apart among the keys.
+    let channel_stride = 2 * bt;
+    for h in 0..heads {
+        for d0 in (0..dim).step_by(LANES) {
+            let n = LANES.min(dim - d0);
+            // The `(min, max)` pairs of the run, as 32-bit lanes `min | max << 16`.
+            let bounds = p.wrapping_add(shape.bound_byte(h, d0));
+            let mut pairs = [0u32; LANES];
+            // SAFETY: the pairs of channels `d0..d0 + n` are `4n` bytes from `bounds`, inside the
+            // page's bounds region; the buffer holds 64.
+            unsafe { std::ptr::copy_nonoverlapping(bounds, pairs.as_mut_ptr().cast::<u8>(), 4 * n) };
+            // SAFETY: 64 readable bytes.
+            let (a, b) =
+                unsafe { (_mm256_loadu_si256(pairs.as_ptr().cast()), _mm256_loadu_si256(pairs[8..].as_ptr().cast())) };
+            let split = |x: __m256i, y: __m256i| _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(x, y));
+            let mut lo = split(_mm256_and_si256(a, low_half), _mm256_and_si256(b, low_half));
+            let mut hi = split(_mm256_srli_epi32::<16>(a), _mm256_srli_epi32::<16>(b));
+            let mut bits = [0u16; LANES];
+            for i in 0..count {
+                let slot = first + i;
+                let r = (i * heads + h) * dim + d0;
+                let values = convert_run(&v[r..r + n], format);
+                let key = convert_run(&k[r..r + n], format);
+                // SAFETY: 32 writable bytes.
+                unsafe { _mm256_storeu_si256(bits.as_mut_ptr().cast(), values) };
+                // SAFETY: the values of channels `d0..d0 + n` at `slot` are `2n` contiguous bytes
+                // from `v_byte(h, slot, d0)`, inside the V region; the buffer holds 32.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bits.as_ptr().cast::<u8>(), p.add(shape.v_byte(h, slot, d0)), 2 * n)
+                };
+                // SAFETY: 32 writable bytes.
+                unsafe { _mm256_storeu_si256(bits.as_mut_ptr().cast(), key) };
+                let mut place = p.wrapping_add(shape.k_byte(h, d0, slot));
+                for &key in &bits[..n] {
+                    // SAFETY: `place` is `k_byte(h, d0 + j, slot)` for the `j`-th key, `j < n`, and
+                    // `slot < block_tokens`: a two-byte key inside the K region of the page,
+                    // whose length was checked above.
+                    unsafe { place.cast::<u16>().write_unaligned(key) };
+                    place = place.wrapping_add(channel_stride);
+                }
+                (lo, hi) = widen(lo, hi, key, infinite);
+            }
+            // Back to pairs: the low unpack holds those of channels 0..4 and 8..12, the high one
+            // those of 4..8 and 12..16; the permutes put them in channel order.
+            let (first_pairs, second_pairs) = (_mm256_unpacklo_epi16(lo, hi), _mm256_unpackhi_epi16(lo, hi));
+            let ordered = [
+                _mm256_permute2x128_si256::<0x20>(first_pairs, second_pairs),
+                _mm256_permute2x128_si256::<0x31>(first_pairs, second_pairs),
+            ];
+            // SAFETY: 64 writable bytes.
+            unsafe {
+                _mm256_storeu_si256(pairs.as_mut_ptr().cast(), ordered[0]);
+                _mm256_storeu_si256(pairs[8..].as_mut_ptr().cast(), ordered[1]);
+            }
+            // SAFETY: the same `4n` bytes the pairs were read from.
+            unsafe { std::ptr::copy_nonoverlapping(pairs.as_ptr().cast::<u8>(), bounds, 4 * n) };
+        }
+    }
+}
