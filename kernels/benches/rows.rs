@@ -8,9 +8,9 @@
 //! bounds), each with its ratio to the scalar writer, all in one run.
 //!
 //! Then `truncate_rows` as a speculative decoder uses it: 3 of a full f16 page's 32 tokens taken
-//! back (keys zeroed past the kept 29, key bounds recomputed over them), in µs a page, by the
-//! scalar kernel and by the best of this CPU, beside `write_rows` of the 5 draft tokens that
-//! preceded it, and the ratios to it.
+//! back (keys zeroed past the kept 29, key bounds recomputed over them), in µs a page, by each
+//! kernel, with its ratio to the scalar one, beside `write_rows` of the 5 draft tokens that
+//! preceded it by the same kernel, and the ratio of the two.
 //!
 //! `cargo bench -p kvmm-kernels --bench rows` (`KVMM_BENCH_RUNS=300` for the best of more runs)
 
@@ -192,24 +192,18 @@ fn main() {
             }
         }
     }
-    truncation(runs);
+    truncation(runs, &kernels);
 }
 
-/// `truncate_rows` keeping 29 of 32 tokens, scalar and the best kernel, against `write_rows` of 5
-/// tokens, µs a page, alternating.
-fn truncation(runs: usize) {
+/// `truncate_rows` keeping 29 of 32 tokens against `write_rows` of 5 tokens, by each kernel, µs a
+/// page, alternating.
+fn truncation(runs: usize, kernels: &[Isa]) {
     const KEEP: usize = BLOCK_TOKENS - 3;
     const DRAFTS: usize = 5;
-    let best = Isa::detect();
     println!();
     println!(
-        "{:<10} {:>16} {:>16} {:>19} {:>7} {:>7}",
-        "f16 page",
-        "truncate scalar",
-        format!("truncate {best}"),
-        "write_rows 5 tokens",
-        "scalar",
-        best.name()
+        "{:<10} {:<11} {:>22} {:>8} {:>20} {:>10}",
+        "f16 page", "kernel", "truncate_rows 3 of 32", "÷ scalar", "write_rows 5 tokens", "truncate ÷"
     );
     for (name, kv_heads, head_dim) in [("smollm2", 3, 64), ("llama3-8b", 8, 128)] {
         let shape = PageShape { kv_heads, head_dim, block_tokens: BLOCK_TOKENS };
@@ -224,32 +218,35 @@ fn truncation(runs: usize) {
             write_rows(shape, Format::F16, page, 0, &k, &v).expect("rows fit");
         }
         let drafts = (BLOCK_TOKENS - DRAFTS) * row..BLOCK_TOKENS * row;
-        let [mut scalar, mut fast, mut write] = [f64::INFINITY; 3];
-        let truncate = |isa: Isa, pages: &mut [u8]| {
-            best_seconds(runs, || {
-                for page in pages.chunks_exact_mut(bytes) {
-                    truncate_rows_with(isa, shape, Format::F16, page, KEEP).expect("a 16-bit page");
-                    black_box(&page);
-                }
-            })
-        };
+        // Per kernel: (truncate, write) seconds, the best of 3 alternating rounds.
+        let mut best = vec![[f64::INFINITY; 2]; kernels.len()];
         for _ in 0..3 {
-            scalar = scalar.min(truncate(Isa::Scalar, &mut pages));
-            fast = fast.min(truncate(best, &mut pages));
-            write = write.min(best_seconds(runs, || {
-                for page in pages.chunks_exact_mut(bytes) {
-                    let first = BLOCK_TOKENS - DRAFTS;
-                    write_rows(shape, Format::F16, page, first, &k[drafts.clone()], &v[drafts.clone()])
-                        .expect("rows fit");
-                    black_box(&page);
-                }
-            }));
+            for (&isa, best) in kernels.iter().zip(&mut best) {
+                best[0] = best[0].min(best_seconds(runs, || {
+                    for page in pages.chunks_exact_mut(bytes) {
+                        truncate_rows_with(isa, shape, Format::F16, page, KEEP).expect("a 16-bit page");
+                        black_box(&page);
+                    }
+                }));
+                best[1] = best[1].min(best_seconds(runs, || {
+                    for page in pages.chunks_exact_mut(bytes) {
+                        let first = BLOCK_TOKENS - DRAFTS;
+                        write_rows_with(isa, shape, Format::F16, page, first, &k[drafts.clone()], &v[drafts.clone()])
+                            .expect("rows fit");
+                        black_box(&page);
+                    }
+                }));
+            }
         }
-        let [scalar, fast, write] = [scalar, fast, write].map(|s| s / PAGES as f64 * 1e6);
-        println!(
-            "{name:<10} {scalar:>13.2} µs {fast:>13.2} µs {write:>16.2} µs {:>6.2}× {:>6.2}×",
-            scalar / write,
-            fast / write
-        );
+        let scalar = best[kernels.len() - 1][0];
+        for (isa, [truncate, write]) in kernels.iter().zip(&best) {
+            let [t, w] = [truncate, write].map(|s| s / PAGES as f64 * 1e6);
+            println!(
+                "{name:<10} {:<11} {t:>19.2} µs {:>7.2}× {w:>17.2} µs {:>9.2}×",
+                isa.name(),
+                truncate / scalar,
+                t / w
+            );
+        }
     }
 }

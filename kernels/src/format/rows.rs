@@ -351,9 +351,10 @@ pub fn truncate_rows(shape: PageShape, format: Format, page: &mut [u8], keep: us
 }
 
 /// [`truncate_rows`] with a chosen kernel (for tests and benchmarks); every kernel writes the same
-/// bytes. The AVX-512 kernel takes a channel's keys 32 slots a vector (`rows_avx512.rs`); measured
-/// with the last table of `cargo bench -p kvmm-kernels --bench rows`: 1.15 µs a SmolLM2 page and
-/// 5.9 µs a Llama-3-8B page, against 8.0 µs and 42.5 µs for the scalar kernel.
+/// bytes. The AVX-512 and AVX2 kernels take a channel's keys 32 and 16 slots a vector
+/// (`rows_avx512.rs`, `rows_avx2.rs`); measured with the last table of `cargo bench -p
+/// kvmm-kernels --bench rows`: 1.09 and 3.00 µs a SmolLM2 page, 5.6 and 15.6 µs a Llama-3-8B page,
+/// against 8.0 and 42.8 µs for the scalar kernel.
 pub fn truncate_rows_with(
     isa: Isa,
     shape: PageShape,
@@ -370,14 +371,19 @@ pub fn truncate_rows_with(
         page[shape.v_byte(h, keep, 0)..shape.v_byte(h, bt, 0)].fill(0);
     }
     #[cfg(target_arch = "x86_64")]
-    if isa.is_avx512() {
+    if isa.is_avx512() || isa == Isa::Avx2 {
         let infinity = if format == Format::Bf16 { 0x7f80 } else { 0x7c00 };
         // The bounds of every channel, then (64-byte aligned after them) every channel's keys.
         let (head, keys) = page.split_at_mut(shape.k_byte(0, 0, 0));
         let bounds = &mut head[shape.bound_byte(0, 0)..shape.bound_byte(heads - 1, dim - 1) + 4];
         let keys = &mut keys[..shape.k_byte(heads - 1, dim - 1, bt) - shape.k_byte(0, 0, 0)];
-        // SAFETY: `isa` passed `is_available`, so avx512f/bw/vl and avx2 were detected.
-        unsafe { super::rows_avx512::truncate_keys(keys, bounds, bt, keep, infinity) };
+        if isa.is_avx512() {
+            // SAFETY: `isa` passed `is_available`, so avx512f/bw/vl and avx2 were detected.
+            unsafe { super::rows_avx512::truncate_keys(keys, bounds, bt, keep, infinity) };
+        } else {
+            // SAFETY: `isa` passed `is_available`, so avx2, fma and f16c were detected.
+            unsafe { super::rows_avx2::truncate_keys(keys, bounds, bt, keep, infinity) };
+        }
         return Ok(());
     }
     for h in 0..heads {
@@ -405,7 +411,7 @@ pub fn truncate_rows_with(
 /// order; a scan that stops at the first hit then finds the slot holding each. Measured with the
 /// last table of `cargo bench -p kvmm-kernels --bench rows`: 2.8–3.0× a 5-token `write_rows`, against
 /// 4.1× for widening 64 channels at a time token by token as the writer does (each key gathered
-/// from its channel-major place). The scalar kernel; AVX-512 has its own (`rows_avx512.rs`).
+/// from its channel-major place). The scalar kernel; AVX-512 and AVX2 have their own.
 fn first_extremes(format: Format, raw: &[u8]) -> (u16, u16) {
     const SLOTS: usize = 64;
     let infinity: u16 = if format == Format::Bf16 { 0x7f80 } else { 0x7c00 };

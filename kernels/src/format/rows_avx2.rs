@@ -1,5 +1,6 @@
-//! AVX2 row writer: the same bytes as the scalar writer of `rows.rs`, for x86-64 CPUs without
-//! AVX-512 (most laptop and small-form-factor Intel parts since 2021).
+//! AVX2 kernels of `rows.rs`, writing the same bytes as its scalar code, for x86-64 CPUs without
+//! AVX-512 (most laptop and small-form-factor Intel parts since 2021): the row writer, and the key
+//! pass of `truncate_rows` ([`truncate_keys`], the steps of `rows_avx512.rs` 16 slots a vector).
 //!
 //! The same steps as the AVX-512 writer of `rows_avx512.rs`, 16 channels a run (one 256-bit vector
 //! of 16-bit lanes):
@@ -220,5 +221,81 @@ pub(crate) fn write_rows<E: RowElement>(
             // SAFETY: the same `4n` bytes the pairs were read from.
             unsafe { std::ptr::copy_nonoverlapping(pairs.as_ptr().cast::<u8>(), bounds, 4 * n) };
         }
+    }
+}
+
+/// The smallest of the 16 unsigned 16-bit lanes of `v`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn fold_min(v: __m256i) -> u16 {
+    let half = _mm_min_epu16(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    // Lane 0 of `phminposuw` holds the minimum, lane 1 its index.
+    _mm_extract_epi16::<0>(_mm_minpos_epu16(half)) as u16
+}
+
+/// The key pass of `truncate_rows` on AVX2, the same bytes as the scalar `first_extremes` and
+/// zeroing in `rows.rs` and as `truncate_keys` of `rows_avx512.rs`, whose steps it takes 16 slots a
+/// vector: each channel's kept slots in the unsigned order of their values (both zeros one
+/// value, NaN lanes and slots past the kept ones left out), min and max folded and reduced by
+/// `phminposuw`, an extreme's bits its order inverted (a zero extreme's, the first zero's); the
+/// slots past the kept ones zeroed. A vector that would pass the end of a channel (pages of fewer
+/// than 16 slots, or not a multiple of 16) is read through a buffer.
+///
+/// `keys` is the K region of a 16-bit page (channels of `block_tokens` little-endian 16-bit keys
+/// each, `bounds.len() / 4` of them), `bounds` the `(min, max)` bits of each channel, `infinity`
+/// the format's +∞ bits. Panics if the lengths disagree or `keep > block_tokens`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: usize, keep: usize, infinity: u16) {
+    /// The order of both zeros.
+    const ZERO: u16 = 0x8000;
+    assert!(keep <= block_tokens && block_tokens > 0, "keep {keep} of {block_tokens} slots");
+    assert_eq!(keys.len(), bounds.len() / 4 * 2 * block_tokens, "K region and bounds of one shape");
+    let (infinite, magnitude) = (_mm256_set1_epi16(infinity as i16), _mm256_set1_epi16(0x7fff));
+    let (zero_order, ones) = (_mm256_set1_epi16(ZERO as i16), _mm256_set1_epi16(-1));
+    let lane = _mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let kept_vectors = keep.div_ceil(LANES);
+    for (channel, bound) in keys.chunks_exact_mut(2 * block_tokens).zip(bounds.chunks_exact_mut(4)) {
+        // The order of vector `j`'s slots (`j < kept_vectors`), and which lanes hold a kept key
+        // that is not NaN, as all-ones lanes.
+        let slots = |j: usize| -> (__m256i, __m256i) {
+            let bytes = &channel[2 * LANES * j..(2 * LANES * (j + 1)).min(channel.len())];
+            let bits = if let Some(whole) = bytes.first_chunk::<{ 2 * LANES }>() {
+                // SAFETY: 32 readable bytes.
+                unsafe { _mm256_loadu_si256(whole.as_ptr().cast()) }
+            } else {
+                let mut buffer = [0u8; 2 * LANES];
+                buffer[..bytes.len()].copy_from_slice(bytes);
+                // SAFETY: 32 readable bytes.
+                unsafe { _mm256_loadu_si256(buffer.as_ptr().cast()) }
+            };
+            let kept = _mm256_cmpgt_epi16(_mm256_set1_epi16((keep - LANES * j).min(LANES) as i16), lane);
+            let nan = _mm256_cmpgt_epi16(_mm256_and_si256(bits, magnitude), infinite);
+            let zeros = _mm256_cmpeq_epi16(_mm256_and_si256(bits, magnitude), _mm256_setzero_si256());
+            let order = _mm256_xor_si256(bits, _mm256_or_si256(_mm256_srai_epi16::<15>(bits), zero_order));
+            (_mm256_blendv_epi8(order, zero_order, zeros), _mm256_andnot_si256(nan, kept))
+        };
+        let (mut low, mut high) = (ones, _mm256_setzero_si256());
+        for j in 0..kept_vectors {
+            let (order, valid) = slots(j);
+            // Left-out lanes: all ones for the min, zero for the max.
+            low = _mm256_min_epu16(low, _mm256_or_si256(order, _mm256_xor_si256(valid, ones)));
+            high = _mm256_max_epu16(high, _mm256_and_si256(order, valid));
+        }
+        let (low, high) = (fold_min(low), !fold_min(_mm256_xor_si256(high, ones)));
+        let bits = |target: u16| match target {
+            u16::MAX | 0 => None,
+            ZERO => (0..kept_vectors).find_map(|j| {
+                let (order, valid) = slots(j);
+                let hits = _mm256_movemask_epi8(_mm256_and_si256(_mm256_cmpeq_epi16(order, zero_order), valid)) as u32;
+                let slot = LANES * j + hits.trailing_zeros() as usize / 2;
+                (hits != 0).then(|| u16::from_le_bytes([channel[2 * slot], channel[2 * slot + 1]]))
+            }),
+            _ if target & ZERO != 0 => Some(target & !ZERO),
+            _ => Some(!target),
+        };
+        let (lo, hi) = (bits(low), bits(high));
+        channel[2 * keep..].fill(0);
+        bound[..2].copy_from_slice(&lo.unwrap_or(infinity).to_le_bytes());
+        bound[2..].copy_from_slice(&hi.unwrap_or(infinity | 0x8000).to_le_bytes());
     }
 }
