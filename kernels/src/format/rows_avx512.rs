@@ -175,8 +175,7 @@ unsafe fn convert<E: RowElement>(src: *const E, n: usize, format: Format) -> __m
 }
 
 /// Lane indices of `_mm512_permutex2var_epi16` over two vectors of interleaved `(min, max)` pairs
-/// (lanes 0..32 the first vector, 32..64 the second): the mins, the maxes; and back, over a min
-/// and a max vector: the pairs of channels 0..16, of 16..32.
+/// (lanes 0..32 the first vector, 32..64 the second): the mins.
 const MINS: [u16; LANES] = {
     let mut lanes = [0u16; LANES];
     let mut j = 0;
@@ -186,6 +185,7 @@ const MINS: [u16; LANES] = {
     }
     lanes
 };
+/// The same over the pairs: the maxes.
 const MAXES: [u16; LANES] = {
     let mut lanes = MINS;
     let mut j = 0;
@@ -195,6 +195,8 @@ const MAXES: [u16; LANES] = {
     }
     lanes
 };
+/// And back, over a min vector (lanes 0..32) and a max vector (32..64): the pairs of channels
+/// 0..16, then of 16..32.
 const PAIRS: [[u16; LANES]; 2] = {
     let mut pairs = [[0u16; LANES]; 2];
     let mut j = 0;
@@ -207,6 +209,7 @@ const PAIRS: [[u16; LANES]; 2] = {
     pairs
 };
 
+/// A vector of 32 lane indices.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 fn lanes_of(indices: &[u16; LANES]) -> __m512i {
