@@ -139,6 +139,15 @@ pub(crate) const fn source_of<E: RowElement>() -> Source {
     E::SOURCE
 }
 
+/// The bits of +∞ in `format` (f16 or bf16; any other format as f16): the empty lower key bound,
+/// and with the sign bit set the empty upper one. A key whose magnitude bits exceed them is NaN.
+pub(crate) const fn infinity_bits(format: Format) -> u16 {
+    match format {
+        Format::Bf16 => 0x7f80,
+        _ => 0x7c00,
+    }
+}
+
 /// Decodes one 16-bit element of `format` (f16 or bf16; any other format reads as f16) to `f32`,
 /// exactly.
 pub(crate) fn decode(format: Format, bits: u16) -> f32 {
@@ -372,7 +381,7 @@ pub fn truncate_rows_with(
     }
     #[cfg(target_arch = "x86_64")]
     if isa.is_avx512() || isa == Isa::Avx2 {
-        let infinity = if format == Format::Bf16 { 0x7f80 } else { 0x7c00 };
+        let infinity = infinity_bits(format);
         // The bounds of every channel, then (64-byte aligned after them) every channel's keys.
         let (head, keys) = page.split_at_mut(shape.k_byte(0, 0, 0));
         let bounds = &mut head[shape.bound_byte(0, 0)..shape.bound_byte(heads - 1, dim - 1) + 4];
@@ -414,7 +423,7 @@ pub fn truncate_rows_with(
 /// from its channel-major place). The scalar kernel; AVX-512 and AVX2 have their own.
 fn first_extremes(format: Format, raw: &[u8]) -> (u16, u16) {
     const SLOTS: usize = 64;
-    let infinity: u16 = if format == Format::Bf16 { 0x7f80 } else { 0x7c00 };
+    let infinity = infinity_bits(format);
     let order = |b: u16| if b & 0x8000 != 0 { !b } else { b | 0x8000 };
     // A key's order is never 0 or u16::MAX (those would be NaN bits), so these mean "none".
     let (mut low, mut high) = (u16::MAX, 0u16);

@@ -26,7 +26,7 @@
 
 use std::arch::x86_64::*;
 
-use super::rows::{RowElement, Source, source_of};
+use super::rows::{RowElement, Source, infinity_bits, source_of};
 use crate::format::{Format, PageShape};
 
 /// Channels a run holds: 16-bit lanes of a vector.
@@ -162,7 +162,7 @@ pub(crate) fn write_rows<E: RowElement>(
     let count = k.len() / row;
     assert!(k.len() == count * row && v.len() == k.len(), "whole rows of keys and values");
     assert!(first + count <= bt && page.len() >= shape.page_bytes(format), "slots inside the page");
-    let infinite = _mm256_set1_epi16(if format == Format::Bf16 { 0x7f80 } else { 0x7c00 });
+    let infinite = _mm256_set1_epi16(infinity_bits(format) as i16);
     let (low_half, p) = (_mm256_set1_epi32(0xffff), page.as_mut_ptr());
     // Consecutive channels of one slot lie this far apart among the keys.
     let channel_stride = 2 * bt;
@@ -250,7 +250,7 @@ pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: us
     const ZERO: u16 = 0x8000;
     assert!(keep <= block_tokens && block_tokens > 0, "keep {keep} of {block_tokens} slots");
     assert_eq!(keys.len(), bounds.len() / 4 * 2 * block_tokens, "K region and bounds of one shape");
-    let (infinite, magnitude) = (_mm256_set1_epi16(infinity as i16), _mm256_set1_epi16(0x7fff));
+    let infinite = _mm256_set1_epi16(infinity as i16);
     let (zero_order, ones) = (_mm256_set1_epi16(ZERO as i16), _mm256_set1_epi16(-1));
     let lane = _mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     let kept_vectors = keep.div_ceil(LANES);
@@ -269,10 +269,8 @@ pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: us
                 unsafe { _mm256_loadu_si256(buffer.as_ptr().cast()) }
             };
             let kept = _mm256_cmpgt_epi16(_mm256_set1_epi16((keep - LANES * j).min(LANES) as i16), lane);
-            let nan = _mm256_cmpgt_epi16(_mm256_and_si256(bits, magnitude), infinite);
-            let zeros = _mm256_cmpeq_epi16(_mm256_and_si256(bits, magnitude), _mm256_setzero_si256());
-            let order = _mm256_xor_si256(bits, _mm256_or_si256(_mm256_srai_epi16::<15>(bits), zero_order));
-            (_mm256_blendv_epi8(order, zero_order, zeros), _mm256_andnot_si256(nan, kept))
+            // The unsigned order is the signed one of `order` with its top bit flipped.
+            (_mm256_xor_si256(order(bits), zero_order), _mm256_andnot_si256(nan_lanes(bits, infinite), kept))
         };
         let (mut low, mut high) = (ones, _mm256_setzero_si256());
         for j in 0..kept_vectors {

@@ -50,7 +50,7 @@
 
 use std::arch::x86_64::*;
 
-use super::rows::{RowElement, Source, source_of};
+use super::rows::{RowElement, Source, infinity_bits, source_of};
 use crate::format::{Format, PageShape};
 
 /// Slots of one channel a vector holds.
@@ -236,7 +236,7 @@ pub(crate) fn write_rows<E: RowElement>(
     let count = k.len() / row;
     assert!(k.len() == count * row && v.len() == k.len(), "whole rows of keys and values");
     assert!(first + count <= bt && page.len() >= shape.page_bytes(format), "slots inside the page");
-    let infinite = _mm512_set1_epi16(if format == Format::Bf16 { 0x7f80 } else { 0x7c00 });
+    let infinite = _mm512_set1_epi16(infinity_bits(format) as i16);
     let (mins, maxes) = (lanes_of(&MINS), lanes_of(&MAXES));
     let (low_pairs, high_pairs) = (lanes_of(&PAIRS[0]), lanes_of(&PAIRS[1]));
     let p = page.as_mut_ptr();
