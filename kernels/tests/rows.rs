@@ -162,13 +162,13 @@ proptest! {
     fn rows_written_then_read_come_back_rounded_once(
         kv_heads in 1usize..=4,
         head_dim in 1usize..=40,
-        block_log in 0u32..=6,
+        block_tokens in prop_oneof![(0u32..=6).prop_map(|log| 1usize << log), 1usize..=70],
         first_frac in 0.0f64..1.0,
         bf in any::<bool>(),
         seed in any::<u64>(),
     ) {
         let format = if bf { Format::Bf16 } else { Format::F16 };
-        let shape = PageShape { kv_heads, head_dim, block_tokens: 1 << block_log };
+        let shape = PageShape { kv_heads, head_dim, block_tokens };
         let first = ((shape.block_tokens as f64) * first_frac) as usize;
         let count = 1 + (seed as usize % (shape.block_tokens - first));
         let row = kv_heads * head_dim;
@@ -222,14 +222,14 @@ proptest! {
         isa in prop::sample::select(Isa::available()),
         kv_heads in 1usize..=3,
         head_dim in prop_oneof![1usize..=20, 60usize..=140],
-        block_log in 0u32..=5,
+        block_tokens in prop_oneof![(0u32..=5).prop_map(|log| 1usize << log), 1usize..=40],
         calls in 1usize..=3,
         source in 0u8..3,
         bf in any::<bool>(),
         seed in any::<u64>(),
     ) {
         let format = if bf { Format::Bf16 } else { Format::F16 };
-        let shape = PageShape { kv_heads, head_dim, block_tokens: 1 << block_log };
+        let shape = PageShape { kv_heads, head_dim, block_tokens };
         let row = kv_heads * head_dim;
         let mut state = seed | 1;
         let mut next = move || {
@@ -312,20 +312,21 @@ proptest! {
     /// does: the slots past them zeroed, the key bounds those of the kept keys alone. Rows of
     /// arbitrary bits (NaNs, infinities, ±0) of the page's own type, so they are stored as given;
     /// for half the seeds, bits from a few values (±0, ±1, ±infinity, a NaN, a subnormal), so a
-    /// channel's extreme value recurs and the first of its copies must stand. Pages of up to 128
-    /// slots, up to four 32-slot vectors of the AVX-512 kernel; every kernel available here.
+    /// channel's extreme value recurs and the first of its copies must stand. Pages of up to 130
+    /// slots, up to five 32-slot vectors of the AVX-512 kernel, whose last is whole or not (sessions
+    /// take powers of two, pages any count); every kernel available here.
     #[test]
     fn truncating_leaves_what_writing_the_kept_rows_into_a_blank_page_leaves(
         kv_heads in 1usize..=3,
         head_dim in prop_oneof![1usize..=20, 60usize..=140],
-        block_log in 0u32..=7,
+        block_tokens in prop_oneof![(0u32..=7).prop_map(|log| 1usize << log), 1usize..=130],
         bf in any::<bool>(),
         fill in any::<prop::sample::Index>(),
         keep in any::<prop::sample::Index>(),
         seed in any::<u64>(),
     ) {
         let format = if bf { Format::Bf16 } else { Format::F16 };
-        let shape = PageShape { kv_heads, head_dim, block_tokens: 1 << block_log };
+        let shape = PageShape { kv_heads, head_dim, block_tokens };
         let row = kv_heads * head_dim;
         let tokens = fill.index(shape.block_tokens + 1);
         let keep = keep.index(tokens + 1);

@@ -362,8 +362,8 @@ pub fn truncate_rows(shape: PageShape, format: Format, page: &mut [u8], keep: us
 /// [`truncate_rows`] with a chosen kernel (for tests and benchmarks); every kernel writes the same
 /// bytes. The AVX-512 and AVX2 kernels take a channel's keys 32 and 16 slots a vector
 /// (`rows_avx512.rs`, `rows_avx2.rs`); measured with the last table of `cargo bench -p
-/// kvmm-kernels --bench rows`: 1.09 and 3.00 µs a SmolLM2 page, 5.6 and 15.6 µs a Llama-3-8B page,
-/// against 8.0 and 42.8 µs for the scalar kernel.
+/// kvmm-kernels --bench rows`: 0.74 and 0.87 µs a SmolLM2 page, 3.8 and 4.5 µs a Llama-3-8B page,
+/// against 8.0 and 42.5 µs for the scalar kernel.
 pub fn truncate_rows_with(
     isa: Isa,
     shape: PageShape,

@@ -224,76 +224,235 @@ pub(crate) fn write_rows<E: RowElement>(
     }
 }
 
-/// The smallest of the 16 unsigned 16-bit lanes of `v`.
+/// The channel of 16 whose extremes the tree of [`level`] leaves at `lane`: lane `8L + 2k + b`
+/// holds channel `8b + 2k + L`.
+const fn channel_of(lane: usize) -> usize {
+    8 * (lane % 2) + 2 * (lane % 8 / 2) + lane / 8
+}
+
+/// The running minima and maxima of channels, folded lane by lane, a pair of vectors.
+type Folds = (__m256i, __m256i);
+
+/// One level of the tree that reduces 16 channels' [`Folds`] to one pair of vectors, a lane per
+/// channel (see [`channel_of`]) holding its minimum and maximum, as `level` of `rows_avx512.rs` does
+/// for 32: two vectors of the level below become one, each one's lanes folded in half. `LEVEL` 1
+/// folds 128-bit halves, 2 64-bit, 3 32-bit and 4 16-bit pieces. What each level leaves (channels
+/// numbered within the run it covers):
+///
+/// ```text
+///   level 1, channels a, b:        a in 128-bit lane 0, b in lane 1
+///   level 2, 4 channels:           in 128-bit lane L, channel L in the low 64 bits, 2 + L in the high
+///   level 3, 8 channels:           in 128-bit lane L, channel 2k + L in 32-bit piece k
+///   level 4, 16 channels:          in 128-bit lane L, piece k: 2k + L in its low 16 bits, 8 + 2k + L
+///                                  in its high
+/// ```
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn fold_min(v: __m256i) -> u16 {
-    let half = _mm_min_epu16(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-    // Lane 0 of `phminposuw` holds the minimum, lane 1 its index.
-    _mm_extract_epi16::<0>(_mm_minpos_epu16(half)) as u16
+fn level<const LEVEL: u8>(a: Folds, b: Folds) -> Folds {
+    let fold = |a: __m256i, b: __m256i, max: bool| {
+        let (x, y) = match LEVEL {
+            1 => (_mm256_permute2x128_si256::<0x20>(a, b), _mm256_permute2x128_si256::<0x31>(a, b)),
+            2 => (_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b)),
+            3 => {
+                let (a, b) = (_mm256_castsi256_ps(a), _mm256_castsi256_ps(b));
+                (
+                    _mm256_castps_si256(_mm256_shuffle_ps::<0x88>(a, b)),
+                    _mm256_castps_si256(_mm256_shuffle_ps::<0xdd>(a, b)),
+                )
+            }
+            // The low 16 bits of each 32-bit piece from `a`, the high from `b`; the other halves
+            // folded with a shifted-in 0, which the blend drops.
+            _ => {
+                let (x, y) = (_mm256_srli_epi32::<16>(a), _mm256_slli_epi32::<16>(b));
+                let (a, b) = if max {
+                    (_mm256_max_epu16(a, x), _mm256_max_epu16(b, y))
+                } else {
+                    (_mm256_min_epu16(a, x), _mm256_min_epu16(b, y))
+                };
+                return _mm256_blend_epi16::<0xaa>(a, b);
+            }
+        };
+        if max { _mm256_max_epu16(x, y) } else { _mm256_min_epu16(x, y) }
+    };
+    (fold(a.0, b.0, false), fold(a.1, b.1, true))
+}
+
+/// 16 slots from `p`, of which the first `len / 2` are read and the others are 0.
+///
+/// # Safety
+///
+/// `p` must be valid for reads of `min(len, 32)` bytes; the CPU must support the enabled features.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load_slots(p: *const u8, len: usize) -> __m256i {
+    if len >= 2 * LANES {
+        // SAFETY: 32 readable bytes, which the caller guarantees.
+        return unsafe { _mm256_loadu_si256(p.cast()) };
+    }
+    let mut buffer = [0u8; 2 * LANES];
+    // SAFETY: `len < 32` readable bytes, which the caller guarantees, into the buffer.
+    unsafe { std::ptr::copy_nonoverlapping(p, buffer.as_mut_ptr(), len) };
+    // SAFETY: 32 readable bytes.
+    unsafe { _mm256_loadu_si256(buffer.as_ptr().cast()) }
+}
+
+/// Stores the first `min(len, 32)` bytes of `v` at `p`.
+///
+/// # Safety
+///
+/// `p` must be valid for writes of `min(len, 32)` bytes; the CPU must support the enabled features.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn store_slots(p: *mut u8, len: usize, v: __m256i) {
+    if len >= 2 * LANES {
+        // SAFETY: 32 writable bytes, which the caller guarantees.
+        return unsafe { _mm256_storeu_si256(p.cast(), v) };
+    }
+    let mut buffer = [0u8; 2 * LANES];
+    // SAFETY: 32 writable bytes, then `len < 32` bytes to `p`, which the caller guarantees.
+    unsafe {
+        _mm256_storeu_si256(buffer.as_mut_ptr().cast(), v);
+        std::ptr::copy_nonoverlapping(buffer.as_ptr(), p, len);
+    }
+}
+
+/// Lanes where `a ≥ b`, unsigned 16-bit, as all-ones lanes (AVX2 has no unsigned compare).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn at_least(a: __m256i, b: __m256i) -> __m256i {
+    _mm256_cmpeq_epi16(_mm256_max_epu16(a, b), a)
 }
 
 /// The key pass of `truncate_rows` on AVX2, the same bytes as the scalar `first_extremes` and
-/// zeroing in `rows.rs` and as `truncate_keys` of `rows_avx512.rs`, whose steps it takes 16 slots a
-/// vector: each channel's kept slots in the unsigned order of their values (both zeros one
-/// value, NaN lanes and slots past the kept ones left out), min and max folded and reduced by
-/// `phminposuw`, an extreme's bits its order inverted (a zero extreme's, the first zero's); the
-/// slots past the kept ones zeroed. A vector that would pass the end of a channel (pages of fewer
-/// than 16 slots, or not a multiple of 16) is read through a buffer.
+/// zeroing in `rows.rs` and as `truncate_keys` of `rows_avx512.rs`, whose steps it takes 16 slots
+/// and 16 channels a vector: each channel's kept slots in the unsigned order of their values,
+/// shifted so that NaNs pass neither the min nor the max, folded lane by lane; a run's 16 channels
+/// reduced to one pair of vectors by [`level`]; an extreme's bits its order inverted (a zero
+/// extreme's, the first zero's); the slots past the kept ones zeroed. A vector that would pass
+/// the end of a channel (pages of fewer than 16 slots, or not a multiple of 16) is read and
+/// written back through a buffer.
 ///
 /// `keys` is the K region of a 16-bit page (channels of `block_tokens` little-endian 16-bit keys
 /// each, `bounds.len() / 4` of them), `bounds` the `(min, max)` bits of each channel, `infinity`
 /// the format's +∞ bits. Panics if the lengths disagree or `keep > block_tokens`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: usize, keep: usize, infinity: u16) {
-    /// The order of both zeros.
-    const ZERO: u16 = 0x8000;
     assert!(keep <= block_tokens && block_tokens > 0, "keep {keep} of {block_tokens} slots");
     assert_eq!(keys.len(), bounds.len() / 4 * 2 * block_tokens, "K region and bounds of one shape");
-    let infinite = _mm256_set1_epi16(infinity as i16);
-    let (zero_order, ones) = (_mm256_set1_epi16(ZERO as i16), _mm256_set1_epi16(-1));
+    // The shift that puts every NaN past every key, down for the minimum and up for the maximum
+    // (see `truncate_keys` in `rows_avx512.rs`).
+    let nans = 0x7fff - infinity;
+    let shift = _mm256_set1_epi16(nans as i16);
+    let (zero, ones, top) = (_mm256_setzero_si256(), _mm256_set1_epi16(-1), _mm256_set1_epi16(0x8000_u16 as i16));
     let lane = _mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let channels = bounds.len() / 4;
+    let stride = 2 * block_tokens;
     let kept_vectors = keep.div_ceil(LANES);
-    for (channel, bound) in keys.chunks_exact_mut(2 * block_tokens).zip(bounds.chunks_exact_mut(4)) {
-        // The order of vector `j`'s slots (`j < kept_vectors`), and which lanes hold a kept key
-        // that is not NaN, as all-ones lanes.
-        let slots = |j: usize| -> (__m256i, __m256i) {
-            let bytes = &channel[2 * LANES * j..(2 * LANES * (j + 1)).min(channel.len())];
-            let bits = if let Some(whole) = bytes.first_chunk::<{ 2 * LANES }>() {
-                // SAFETY: 32 readable bytes.
-                unsafe { _mm256_loadu_si256(whole.as_ptr().cast()) }
-            } else {
-                let mut buffer = [0u8; 2 * LANES];
-                buffer[..bytes.len()].copy_from_slice(bytes);
-                // SAFETY: 32 readable bytes.
-                unsafe { _mm256_loadu_si256(buffer.as_ptr().cast()) }
-            };
-            let kept = _mm256_cmpgt_epi16(_mm256_set1_epi16((keep - LANES * j).min(LANES) as i16), lane);
-            // The unsigned order is the signed one of `order` with its top bit flipped.
-            (_mm256_xor_si256(order(bits), zero_order), _mm256_andnot_si256(nan_lanes(bits, infinite), kept))
+    // The kept lanes of the last kept vector, as all-ones lanes.
+    let last_kept = _mm256_cmpgt_epi16(_mm256_set1_epi16((keep - keep.saturating_sub(1) / LANES * LANES) as i16), lane);
+    // Where the kept slots end: the bytes from here to the channel's end are zeroed, but those of a
+    // last kept vector holding slots past `keep`, which it writes back as kept.
+    let cleared_from = 2 * LANES * (keep / LANES);
+    let base = keys.as_mut_ptr();
+    for group in (0..channels).step_by(LANES) {
+        let n = LANES.min(channels - group);
+        // Channel `c` of the group: its kept keys' shifted orders folded over its vectors lane by
+        // lane, and its slots past `keep` zeroed.
+        let channel = |c: usize| -> Folds {
+            let p = base.wrapping_add((group + c) * stride);
+            let (mut low, mut high) = (ones, zero);
+            for j in 0..kept_vectors {
+                let (at, kept) = (2 * LANES * j, if j + 1 == kept_vectors { last_kept } else { ones });
+                // SAFETY: the bytes from `at` to the channel's end or 32 on, inside channel
+                // `group + c < channels`, whose `2 × block_tokens` bytes lie in `keys`.
+                let bits = _mm256_and_si256(unsafe { load_slots(p.add(at), stride - at) }, kept);
+                let order = _mm256_xor_si256(bits, _mm256_or_si256(_mm256_srai_epi16::<15>(bits), top));
+                // Lanes past `keep`: all ones for the min, zero for the max.
+                low = _mm256_min_epu16(
+                    low,
+                    _mm256_or_si256(_mm256_sub_epi16(order, shift), _mm256_xor_si256(kept, ones)),
+                );
+                high = _mm256_max_epu16(high, _mm256_and_si256(_mm256_add_epi16(order, shift), kept));
+                if j + 1 == kept_vectors && !keep.is_multiple_of(LANES) {
+                    // SAFETY: as the load: the vector back as kept, 0 past `keep`.
+                    unsafe { store_slots(p.add(at), stride - at, bits) };
+                }
+            }
+            let from = cleared_from + if keep.is_multiple_of(LANES) { 0 } else { 2 * LANES };
+            if from < stride {
+                // SAFETY: bytes `from..stride` of this channel.
+                unsafe { std::ptr::write_bytes(p.add(from), 0, stride - from) };
+            }
+            (low, high)
         };
-        let (mut low, mut high) = (ones, _mm256_setzero_si256());
-        for j in 0..kept_vectors {
-            let (order, valid) = slots(j);
-            // Left-out lanes: all ones for the min, zero for the max.
-            low = _mm256_min_epu16(low, _mm256_or_si256(order, _mm256_xor_si256(valid, ones)));
-            high = _mm256_max_epu16(high, _mm256_and_si256(order, valid));
+        let mut folds = [(ones, zero); LANES];
+        for (c, fold) in folds[..n].iter_mut().enumerate() {
+            *fold = channel(c);
         }
-        let (low, high) = (fold_min(low), !fold_min(_mm256_xor_si256(high, ones)));
-        let bits = |target: u16| match target {
-            u16::MAX | 0 => None,
-            ZERO => (0..kept_vectors).find_map(|j| {
-                let (order, valid) = slots(j);
-                let hits = _mm256_movemask_epi8(_mm256_and_si256(_mm256_cmpeq_epi16(order, zero_order), valid)) as u32;
-                let slot = LANES * j + hits.trailing_zeros() as usize / 2;
-                (hits != 0).then(|| u16::from_le_bytes([channel[2 * slot], channel[2 * slot + 1]]))
-            }),
-            _ if target & ZERO != 0 => Some(target & !ZERO),
-            _ => Some(!target),
+        let halves: [Folds; 8] = std::array::from_fn(|i| level::<1>(folds[2 * i], folds[2 * i + 1]));
+        let quarters: [Folds; 4] = std::array::from_fn(|i| level::<2>(halves[2 * i], halves[2 * i + 1]));
+        let (a, b) = (level::<3>(quarters[0], quarters[1]), level::<3>(quarters[2], quarters[3]));
+        let (low, high) = level::<4>(a, b);
+        // No key entered where the extreme is a NaN's (or the neutral element).
+        let no_low = at_least(low, _mm256_set1_epi16(0x8001_u16.wrapping_add(infinity).wrapping_sub(nans) as i16));
+        let no_high = at_least(_mm256_set1_epi16((2 * nans - 1) as i16), high);
+        let (low, high) = (_mm256_add_epi16(low, shift), _mm256_sub_epi16(high, shift));
+        // An extreme's bits: its order with the top bit cleared where it is set, inverted where
+        // not; where no key entered, the empty bound's.
+        let bits =
+            |o: __m256i| _mm256_xor_si256(o, _mm256_or_si256(_mm256_xor_si256(_mm256_srai_epi16::<15>(o), ones), top));
+        let lo = _mm256_blendv_epi8(bits(low), _mm256_set1_epi16(infinity as i16), no_low);
+        let hi = _mm256_blendv_epi8(bits(high), _mm256_set1_epi16((infinity | 0x8000) as i16), no_high);
+        // The (min, max) pairs in channel order: the unpacks pair lane `8L + j` with its max, in
+        // the low one for `j < 4` and the high one for the others (32-bit piece `4L + j % 4`);
+        // channel `c < 8` (lane `8(c % 2) + 2(c / 2)`) and `8 + c` (one lane up) are gathered
+        // from them by one index vector each.
+        let (low_pairs, high_pairs) = (_mm256_unpacklo_epi16(lo, hi), _mm256_unpackhi_epi16(lo, hi));
+        let gather = |index: __m256i| {
+            _mm256_blend_epi32::<0xf0>(
+                _mm256_permutevar8x32_epi32(low_pairs, index),
+                _mm256_permutevar8x32_epi32(high_pairs, index),
+            )
         };
-        let (lo, hi) = (bits(low), bits(high));
-        channel[2 * keep..].fill(0);
-        bound[..2].copy_from_slice(&lo.unwrap_or(infinity).to_le_bytes());
-        bound[2..].copy_from_slice(&hi.unwrap_or(infinity | 0x8000).to_le_bytes());
+        let pairs =
+            [gather(_mm256_setr_epi32(0, 4, 2, 6, 0, 4, 2, 6)), gather(_mm256_setr_epi32(1, 5, 3, 7, 1, 5, 3, 7))];
+        let at = 4 * group;
+        if n == LANES {
+            // SAFETY: the 64 bytes of channels `group..group + 16`, inside `bounds`.
+            unsafe {
+                _mm256_storeu_si256(bounds.as_mut_ptr().add(at).cast(), pairs[0]);
+                _mm256_storeu_si256(bounds.as_mut_ptr().add(at + 32).cast(), pairs[1]);
+            }
+        } else {
+            let mut buffer = [0u8; 4 * LANES];
+            // SAFETY: 64 writable bytes.
+            unsafe {
+                _mm256_storeu_si256(buffer.as_mut_ptr().cast(), pairs[0]);
+                _mm256_storeu_si256(buffer.as_mut_ptr().add(32).cast(), pairs[1]);
+            }
+            bounds[at..at + 4 * n].copy_from_slice(&buffer[..4 * n]);
+        }
+        // A zero extreme (−0's order 0x7fff or +0's 0x8000) takes the sign of the channel's first
+        // zero, as both zeros are one value to the rule (rare in real keys); two mask bits a lane.
+        let zeros = |o: __m256i, none: __m256i| {
+            let off = _mm256_sub_epi16(o, _mm256_set1_epi16(0x7fff));
+            _mm256_movemask_epi8(_mm256_andnot_si256(none, at_least(_mm256_set1_epi16(1), off))) as u32 & 0x5555_5555
+        };
+        for (mut extreme, offset) in [(zeros(low, no_low), 0), (zeros(high, no_high), 2)] {
+            while extreme != 0 {
+                let c = channel_of(extreme.trailing_zeros() as usize / 2);
+                extreme &= extreme - 1;
+                // Never past `n`: the channels past it hold the neutral elements, lanes where no
+                // key entered; the check bounds the read below all the same.
+                if c >= n {
+                    continue;
+                }
+                let p = base.wrapping_add((group + c) * stride).cast::<u16>();
+                // SAFETY: slots `0..keep` of channel `group + c`, inside `keys` as above.
+                let first = (0..keep).map(|s| unsafe { p.add(s).read_unaligned() }).find(|b| b & 0x7fff == 0);
+                let sign = first.expect("a zero extreme is a kept key");
+                bounds[4 * (group + c) + offset..][..2].copy_from_slice(&sign.to_le_bytes());
+            }
+        }
     }
 }
