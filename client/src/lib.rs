@@ -22,7 +22,7 @@ pub mod error;
 pub mod session;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use connect::default_socket;
@@ -50,6 +50,8 @@ pub(crate) struct Inner {
     pub(crate) rpc: SessionClient<Channel>,
     /// The fd socket beside the session socket.
     pub(crate) fd_socket: PathBuf,
+    /// The arena mapping this client's sessions share (see [`Inner::arena`]).
+    pub(crate) arena: Mutex<Option<session::SharedArena>>,
 }
 
 /// A session of this uid that waits to be resumed, as [`Client::orphans`] lists it.
@@ -119,6 +121,7 @@ impl Client {
                 runtime,
                 rpc: SessionClient::new(channel),
                 fd_socket: connect::fd_socket_beside(socket),
+                arena: Mutex::new(None),
             }),
         })
     }

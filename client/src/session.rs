@@ -10,7 +10,7 @@
 //! Locations come from the daemon-written table and are bounds-checked against the arena before any
 //! byte is touched.
 
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use kvmm_kernels::attention::{AttnShape, DecodeAttention, PageView};
@@ -20,7 +20,8 @@ use kvmm_proto::v1 as pb;
 use kvmm_shm::fdpass::{FdRequest, ReceivedReply, SeqpacketConn};
 use kvmm_shm::protocol;
 use kvmm_shm::{
-    Access, ClientEntry, ClientRegion, Geometry, Mapping, PageFlags, PageLocation, PinOutcome, Seals, SessionTable,
+    Access, ClientEntry, ClientRegion, Geometry, Mapping, Memfd, PageFlags, PageLocation, PinOutcome, Seals,
+    SessionTable,
 };
 
 use crate::Inner;
@@ -131,6 +132,36 @@ pub struct SessionStats {
     pub owner_name: String,
 }
 
+/// The mapping of a trust domain's arena that a client's sessions share, and the file it maps.
+///
+/// Every session of a uid gets the same arena memfd, so one mapping serves them all, and it stays
+/// while the client lives: a new session's pages, in frames an earlier session of this client
+/// used, are already in this process's page tables, where a mapping per session faulted each page
+/// in again (`MADV_POPULATE_WRITE` at `Extend`) and unmapped it at detach. Nothing is exposed
+/// that a session's own mapping would not show: the arena is the whole trust domain's.
+#[derive(Debug)]
+pub(crate) struct SharedArena {
+    /// `(device, inode)` of the memfd mapped.
+    file: (u64, u64),
+    mapping: Arc<Mapping>,
+}
+
+impl Inner {
+    /// The mapping of the arena `memfd`: the one this client's sessions share if it maps the same
+    /// file at the same size, else a new one, which later sessions then share (a kvmmd restarted
+    /// under a new client hands out a new arena; the old mapping goes with the last session using it).
+    fn arena(&self, memfd: &Memfd) -> Result<Arc<Mapping>> {
+        let file = memfd.identity()?;
+        let mut shared = self.arena.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(arena) = shared.as_ref().filter(|a| a.file == file && a.mapping.len() as u64 == memfd.len()) {
+            return Ok(arena.mapping.clone());
+        }
+        let mapping = Arc::new(Mapping::map(memfd, Access::ReadWrite)?);
+        *shared = Some(SharedArena { file, mapping: mapping.clone() });
+        Ok(mapping)
+    }
+}
+
 /// One attached session. Dropping it detaches (the daemon wipes its pages).
 #[derive(Debug)]
 pub struct Session {
@@ -140,8 +171,9 @@ pub struct Session {
     shape: AttnShape,
     page_shape: PageShape,
     format: Format,
-    /// The trust domain's arena, read-write (tail pages are written here).
-    arena: Mapping,
+    /// The trust domain's arena, read-write (tail pages are written here); one mapping for all of
+    /// this client's sessions.
+    arena: Arc<Mapping>,
     /// The daemon-written table, mapped read-only.
     table: SessionTable,
     /// Pins, token counts and importance, written by this process.
@@ -254,7 +286,7 @@ impl Session {
         inner: Arc<Inner>,
         granted: &pb::AttachResponse,
         geometry: Geometry,
-        (arena, table, region): (Mapping, SessionTable, ClientRegion),
+        (arena, table, region): (Arc<Mapping>, SessionTable, ClientRegion),
         extend_batch: u32,
     ) -> Session {
         let shape = AttnShape {
@@ -285,12 +317,12 @@ impl Session {
         }
     }
 
-    /// The fd handshake and the three mappings.
+    /// The fd handshake and the three mappings (the arena's shared with the client's other sessions).
     fn map(
         inner: &Inner,
         granted: &pb::AttachResponse,
         geometry: Geometry,
-    ) -> Result<(Mapping, SessionTable, ClientRegion)> {
+    ) -> Result<(Arc<Mapping>, SessionTable, ClientRegion)> {
         let token: [u8; 32] = granted
             .fd_token
             .as_slice()
@@ -318,7 +350,7 @@ impl Session {
                 }
                 // A resizable arena would let another process of this uid make reads fault (SIGBUS).
                 fds.arena.require_seals("arena", Seals::SHRINK | Seals::GROW)?;
-                let arena = Mapping::map(&fds.arena, Access::ReadWrite)?;
+                let arena = inner.arena(&fds.arena)?;
                 let table = SessionTable::open(fds.table)?;
                 if table.geometry() != geometry || table.session_id() != granted.session_id {
                     return Err(Error::Protocol("the session table describes another session".to_owned()));

@@ -97,6 +97,14 @@ impl Memfd {
         self.fd.as_fd()
     }
 
+    /// The file this memfd is, as `(device, inode)` (`fstat`): handles on one file give the same
+    /// pair, and no other file shares it while this one lives (a mapping keeps it alive too).
+    pub fn identity(&self) -> Result<(u64, u64), ShmError> {
+        let stat = rustix::fs::fstat(&self.fd).map_err(|e| ShmError::os("fstat", self.describe(), e))?;
+        #[allow(clippy::unnecessary_cast)] // `st_dev` and `st_ino` are not u64 on every target.
+        Ok((stat.st_dev as u64, stat.st_ino as u64))
+    }
+
     /// A second handle on the same file (`F_DUPFD_CLOEXEC`).
     pub fn try_clone(&self) -> Result<Memfd, ShmError> {
         let fd = self.fd.try_clone().map_err(|e| ShmError::Os {
