@@ -139,6 +139,47 @@ pub(crate) const fn source_of<E: RowElement>() -> Source {
     E::SOURCE
 }
 
+/// For the vector truncate kernels: gives each bound `(c, offset)` of `zeros` (channel `group + c`,
+/// `c < n`; offset 0 its min, 2 its max), whose extreme is a zero, the bits of that channel's first
+/// kept zero. −0 and +0 are one value to the rule, whose first copy stands; rare in real keys.
+/// `keys` holds the channels `stride` bytes apart, `bounds` their `(min, max)` pairs, 4 bytes each.
+/// A `c` past `n` is passed over.
+///
+/// # Safety
+///
+/// `keys` must be valid for reads of the first `2 × keep` bytes of each channel `group + c`, `c < n`,
+/// and not be written meanwhile.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn first_zeros(
+    keys: *const u8,
+    stride: usize,
+    keep: usize,
+    (group, n): (usize, usize),
+    bounds: &mut [u8],
+    zeros: impl Iterator<Item = (usize, usize)>,
+) {
+    for (c, offset) in zeros.filter(|&(c, _)| c < n) {
+        // SAFETY: the first `2 × keep` bytes of channel `group + c`, `c < n`, as the caller
+        // guarantees.
+        let channel = unsafe { std::slice::from_raw_parts(keys.add((group + c) * stride), 2 * keep) };
+        let first = channel.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).find(|b| b & 0x7fff == 0);
+        let sign = first.expect("a zero extreme is a kept key");
+        bounds[4 * (group + c) + offset..][..2].copy_from_slice(&sign.to_le_bytes());
+    }
+}
+
+/// The positions of the set bits of `mask`, lowest first.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn set_bits(mut mask: u32) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        (mask != 0).then(|| {
+            let bit = mask.trailing_zeros() as usize;
+            mask &= mask - 1;
+            bit
+        })
+    })
+}
+
 /// The bits of +∞ in `format` (f16 or bf16; any other format as f16): the empty lower key bound,
 /// and with the sign bit set the empty upper one. A key whose magnitude bits exceed them is NaN.
 pub(crate) const fn infinity_bits(format: Format) -> u16 {

@@ -26,7 +26,7 @@
 
 use std::arch::x86_64::*;
 
-use super::rows::{RowElement, Source, infinity_bits, source_of};
+use super::rows::{RowElement, Source, first_zeros, infinity_bits, set_bits, source_of};
 use crate::format::{Format, PageShape};
 
 /// Channels a run holds: 16-bit lanes of a vector.
@@ -433,26 +433,18 @@ pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: us
             bounds[at..at + 4 * n].copy_from_slice(&buffer[..4 * n]);
         }
         // A zero extreme (−0's order 0x7fff or +0's 0x8000) takes the sign of the channel's first
-        // zero, as both zeros are one value to the rule (rare in real keys); two mask bits a lane.
+        // zero. The channels past `n` hold the neutral elements: lanes where no key entered. Two
+        // mask bits a lane.
         let zeros = |o: __m256i, none: __m256i| {
             let off = _mm256_sub_epi16(o, _mm256_set1_epi16(0x7fff));
             _mm256_movemask_epi8(_mm256_andnot_si256(none, at_least(_mm256_set1_epi16(1), off))) as u32 & 0x5555_5555
         };
-        for (mut extreme, offset) in [(zeros(low, no_low), 0), (zeros(high, no_high), 2)] {
-            while extreme != 0 {
-                let c = channel_of(extreme.trailing_zeros() as usize / 2);
-                extreme &= extreme - 1;
-                // Never past `n`: the channels past it hold the neutral elements, lanes where no
-                // key entered; the check bounds the read below all the same.
-                if c >= n {
-                    continue;
-                }
-                let p = base.wrapping_add((group + c) * stride).cast::<u16>();
-                // SAFETY: slots `0..keep` of channel `group + c`, inside `keys` as above.
-                let first = (0..keep).map(|s| unsafe { p.add(s).read_unaligned() }).find(|b| b & 0x7fff == 0);
-                let sign = first.expect("a zero extreme is a kept key");
-                bounds[4 * (group + c) + offset..][..2].copy_from_slice(&sign.to_le_bytes());
-            }
+        let (zero_low, zero_high) = (zeros(low, no_low), zeros(high, no_high));
+        if zero_low | zero_high != 0 {
+            let bounds_of = |zero: u32, offset: usize| set_bits(zero).map(move |bit| (channel_of(bit / 2), offset));
+            let zeros = bounds_of(zero_low, 0).chain(bounds_of(zero_high, 2));
+            // SAFETY: every channel's first `2 × keep` bytes lie in `keys`, written by nothing else now.
+            unsafe { first_zeros(base, stride, keep, (group, n), bounds, zeros) };
         }
     }
 }
