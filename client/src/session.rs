@@ -1,7 +1,8 @@
 //! A session: one sequence's KV cache in kvmmd, mapped into this process.
 //!
-//! After `Attach`, the session fetches its memfds over the fd socket and maps the trust domain's arena
-//! (read-write), its session table (read-only) and its client region (read-write). Appending writes
+//! After `Attach`, the session fetches its memfds over the fd socket and maps its session table
+//! (read-only) and its client region (read-write); the trust domain's arena it maps read-write once
+//! per client, shared with the client's other sessions (`SharedArena`). Appending writes
 //! K/V rows straight into the tail page in the arena and publishes the page's token count with
 //! Release; attention pins every page of a layer (one fence for all of them), runs the fused kernel
 //! over the pages in place, and unpins. A page is pinned whenever this process reads or writes it,
