@@ -168,6 +168,29 @@ pub(crate) unsafe fn first_zeros(
     }
 }
 
+/// For the vector truncate kernels: how the unsigned order of key bits (a negative key's bits
+/// inverted, a positive key's with the top bit set) is shifted so that NaNs need no mask. Of the
+/// `nans` NaN magnitudes above +∞'s, the negative NaNs come first in that order (orders
+/// `0..nans`) and the positive ones last. Shifted down by `nans` (wrapping), every NaN lies above
+/// every key, so a minimum passes them over; shifted up by `nans`, below every key, so a maximum
+/// does.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct NanShift {
+    /// `nans`, the shift.
+    pub(crate) shift: u16,
+    /// The largest shifted-down order of a key (+∞'s): a minimum above it saw no key.
+    pub(crate) highest_min: u16,
+    /// The smallest shifted-up order of a key (−∞'s): a maximum below it saw no key.
+    pub(crate) lowest_max: u16,
+}
+
+/// The [`NanShift`] of a 16-bit format whose +∞ bits are `infinity`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) const fn nan_shift(infinity: u16) -> NanShift {
+    let nans = 0x7fff - infinity;
+    NanShift { shift: nans, highest_min: (0x8000 | infinity) - nans, lowest_max: (0x7fff ^ infinity) + nans }
+}
+
 /// The positions of the set bits of `mask`, lowest first.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn set_bits(mut mask: u32) -> impl Iterator<Item = usize> {

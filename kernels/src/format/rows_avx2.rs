@@ -26,7 +26,7 @@
 
 use std::arch::x86_64::*;
 
-use super::rows::{RowElement, Source, first_zeros, infinity_bits, set_bits, source_of};
+use super::rows::{RowElement, Source, first_zeros, infinity_bits, nan_shift, set_bits, source_of};
 use crate::format::{Format, PageShape};
 
 /// Channels a run holds: 16-bit lanes of a vector.
@@ -339,10 +339,9 @@ fn at_least(a: __m256i, b: __m256i) -> __m256i {
 pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: usize, keep: usize, infinity: u16) {
     assert!(keep <= block_tokens && block_tokens > 0, "keep {keep} of {block_tokens} slots");
     assert_eq!(keys.len(), bounds.len() / 4 * 2 * block_tokens, "K region and bounds of one shape");
-    // The shift that puts every NaN past every key, down for the minimum and up for the maximum
-    // (see `truncate_keys` in `rows_avx512.rs`).
-    let nans = 0x7fff - infinity;
-    let shift = _mm256_set1_epi16(nans as i16);
+    // The orders shifted so that NaNs pass neither fold.
+    let nan_shift = nan_shift(infinity);
+    let shift = _mm256_set1_epi16(nan_shift.shift as i16);
     let (zero, ones, top) = (_mm256_setzero_si256(), _mm256_set1_epi16(-1), _mm256_set1_epi16(0x8000_u16 as i16));
     let lane = _mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     let channels = bounds.len() / 4;
@@ -350,9 +349,9 @@ pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: us
     let kept_vectors = keep.div_ceil(LANES);
     // The kept lanes of the last kept vector, as all-ones lanes.
     let last_kept = _mm256_cmpgt_epi16(_mm256_set1_epi16((keep - keep.saturating_sub(1) / LANES * LANES) as i16), lane);
-    // Where the kept slots end: the bytes from here to the channel's end are zeroed, but those of a
-    // last kept vector holding slots past `keep`, which it writes back as kept.
-    let cleared_from = 2 * LANES * (keep / LANES);
+    // The bytes from here to a channel's end, past its kept vectors, are zeroed (a last kept vector
+    // holding slots past `keep` writes them back as 0).
+    let cleared_from = 2 * LANES * kept_vectors;
     let base = keys.as_mut_ptr();
     for group in (0..channels).step_by(LANES) {
         let n = LANES.min(channels - group);
@@ -378,10 +377,9 @@ pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: us
                     unsafe { store_slots(p.add(at), stride - at, bits) };
                 }
             }
-            let from = cleared_from + if keep.is_multiple_of(LANES) { 0 } else { 2 * LANES };
-            if from < stride {
-                // SAFETY: bytes `from..stride` of this channel.
-                unsafe { std::ptr::write_bytes(p.add(from), 0, stride - from) };
+            if cleared_from < stride {
+                // SAFETY: bytes `cleared_from..stride` of this channel.
+                unsafe { std::ptr::write_bytes(p.add(cleared_from), 0, stride - cleared_from) };
             }
             (low, high)
         };
@@ -394,8 +392,8 @@ pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: us
         let (a, b) = (level::<3>(quarters[0], quarters[1]), level::<3>(quarters[2], quarters[3]));
         let (low, high) = level::<4>(a, b);
         // No key entered where the extreme is a NaN's (or the neutral element).
-        let no_low = at_least(low, _mm256_set1_epi16(0x8001_u16.wrapping_add(infinity).wrapping_sub(nans) as i16));
-        let no_high = at_least(_mm256_set1_epi16((2 * nans - 1) as i16), high);
+        let no_low = at_least(low, _mm256_set1_epi16((nan_shift.highest_min + 1) as i16));
+        let no_high = at_least(_mm256_set1_epi16((nan_shift.lowest_max - 1) as i16), high);
         let (low, high) = (_mm256_add_epi16(low, shift), _mm256_sub_epi16(high, shift));
         // An extreme's bits: its order with the top bit cleared where it is set, inverted where
         // not; where no key entered, the empty bound's.

@@ -52,7 +52,7 @@
 
 use std::arch::x86_64::*;
 
-use super::rows::{RowElement, Source, first_zeros, infinity_bits, set_bits, source_of};
+use super::rows::{RowElement, Source, first_zeros, infinity_bits, nan_shift, set_bits, source_of};
 use crate::format::{Format, PageShape};
 
 /// Slots of one channel a vector holds.
@@ -371,12 +371,9 @@ fn level<const LEVEL: u8>(a: Folds, b: Folds) -> Folds {
 pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: usize, keep: usize, infinity: u16) {
     assert!(keep <= block_tokens && block_tokens > 0, "keep {keep} of {block_tokens} slots");
     assert_eq!(keys.len(), bounds.len() / 4 * 2 * block_tokens, "K region and bounds of one shape");
-    // The NaN magnitudes, `nans` of them above +∞'s. In the order of the values (`raw_order`), the
-    // negative NaNs come first (orders `0..nans`) and the positive ones last; shifted down by
-    // `nans` (wrapping), every NaN lies above every key, so a minimum passes them over, and
-    // shifted up by `nans`, below every key, so a maximum does.
-    let nans = 0x7fff - infinity;
-    let shift = _mm512_set1_epi16(nans as i16);
+    // The orders (`raw_order`) shifted so that NaNs pass neither fold.
+    let nan_shift = nan_shift(infinity);
+    let shift = _mm512_set1_epi16(nan_shift.shift as i16);
     let (zero, ones) = (_mm512_setzero_si512(), _mm512_set1_epi16(-1));
     let (low_pairs, high_pairs) = (lanes_of(&REDUCED_PAIRS[0]), lanes_of(&REDUCED_PAIRS[1]));
     let channels = bounds.len() / 4;
@@ -412,7 +409,7 @@ pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: us
                     unsafe { _mm512_mask_storeu_epi16(p.add(2 * LANES * j).cast(), cleared_lanes, bits) };
                 }
             }
-            for j in keep.div_ceil(LANES)..vectors {
+            for j in kept_vectors..vectors {
                 let lanes = if j + 1 == vectors { last_lanes } else { u32::MAX };
                 // SAFETY: slots `32j + lane ≥ keep` for the lanes in `lanes`, below `block_tokens`.
                 unsafe { _mm512_mask_storeu_epi16(p.add(2 * LANES * j).cast(), lanes, zero) };
@@ -426,11 +423,8 @@ pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: us
         let (a, b) = (level::<4>(eighths[0], eighths[1]), level::<4>(eighths[2], eighths[3]));
         let (low, high) = level::<5>(a, b);
         // No key entered where the extreme is a NaN's (or the neutral element).
-        let no_low = _mm512_cmpgt_epu16_mask(
-            low,
-            _mm512_set1_epi16(0x8000_u16.wrapping_add(infinity).wrapping_sub(nans) as i16),
-        );
-        let no_high = _mm512_cmplt_epu16_mask(high, _mm512_set1_epi16((2 * nans) as i16));
+        let no_low = _mm512_cmpgt_epu16_mask(low, _mm512_set1_epi16(nan_shift.highest_min as i16));
+        let no_high = _mm512_cmplt_epu16_mask(high, _mm512_set1_epi16(nan_shift.lowest_max as i16));
         let (low, high) = (_mm512_add_epi16(low, shift), _mm512_sub_epi16(high, shift));
         // An extreme's bits: its order with the top bit cleared where it is set, inverted where
         // not (`o ^ (!(o >> 15) | 0x8000)`, the shift arithmetic: ternary-logic 0x4b); where no key
