@@ -3,12 +3,17 @@
 //! pass of `truncate_rows` ([`truncate_keys`], the steps of `rows_avx512.rs` 16 slots a vector).
 //!
 //! The same steps as the AVX-512 writer of `rows_avx512.rs`, 16 channels a run (one 256-bit vector
-//! of 16-bit lanes):
+//! of 16-bit lanes) and keys transposed by chunks of 16 tokens; with no masked 16-bit store, a
+//! chunk's transposed keys go out in 32-bit lanes (two slots, `vpmaskmovd`), so the last slot of a
+//! call whose last chunk has an odd number of them is stored key by key:
 //!
 //! ```text
 //!   rows (token-major)           page
 //!   v[t][h][d0..d0+16] ──convert──▶ V region, row (h, slot): one store
-//!   k[t][h][d0..d0+16] ──convert──▶ K region, channel d: slot `first + t`, 16 two-byte stores
+//!   k[t][h][d0..d0+16] ──convert──▶ a chunk's vectors, one a slot ──transpose──▶ K region,
+//!                                    channel d: the chunk's whole pairs of slots, one store
+//!                                    (an odd last slot, or calls of fewer than 8 tokens: 16
+//!                                    two-byte stores a slot)
 //!                                    bounds (h, d0..d0+16): min/max widened per lane
 //! ```
 //!
@@ -157,6 +162,25 @@ pub(crate) fn write_rows<E: RowElement>(
     k: &[E],
     v: &[E],
 ) {
+    let row = shape.kv_heads * shape.head_dim;
+    if k.len() / row.max(1) >= TRANSPOSED {
+        write::<E, true>(shape, format, page, first, k, v);
+    } else {
+        write::<E, false>(shape, format, page, first, k, v);
+    }
+}
+
+/// [`write_rows`], the keys transposed by chunks of 16 tokens (`TRANSPOSE`) or stored key by key:
+/// two instances of one body, as in `rows_avx512.rs`.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn write<E: RowElement, const TRANSPOSE: bool>(
+    shape: PageShape,
+    format: Format,
+    page: &mut [u8],
+    first: usize,
+    k: &[E],
+    v: &[E],
+) {
     let (heads, dim, bt) = (shape.kv_heads, shape.head_dim, shape.block_tokens);
     let row = heads * dim;
     let count = k.len() / row;
@@ -166,6 +190,9 @@ pub(crate) fn write_rows<E: RowElement>(
     let (low_half, p) = (_mm256_set1_epi32(0xffff), page.as_mut_ptr());
     // Consecutive channels of one slot lie this far apart among the keys.
     let channel_stride = 2 * bt;
+    // A chunk's keys, a vector a slot (`TRANSPOSE`); the lanes past a chunk's slots or the run's
+    // channels are never stored, so what an earlier chunk left there stays.
+    let mut chunk = [_mm256_setzero_si256(); LANES];
     for h in 0..heads {
         for d0 in (0..dim).step_by(LANES) {
             let n = LANES.min(dim - d0);
@@ -187,24 +214,57 @@ pub(crate) fn write_rows<E: RowElement>(
                 let r = (i * heads + h) * dim + d0;
                 let values = convert_run(&v[r..r + n], format);
                 let key = convert_run(&k[r..r + n], format);
-                // SAFETY: 32 writable bytes.
-                unsafe { _mm256_storeu_si256(bits.as_mut_ptr().cast(), values) };
-                // SAFETY: the values of channels `d0..d0 + n` at `slot` are `2n` contiguous bytes
-                // from `v_byte(h, slot, d0)`, inside the V region; the buffer holds 32.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(bits.as_ptr().cast::<u8>(), p.add(shape.v_byte(h, slot, d0)), 2 * n)
-                };
-                // SAFETY: 32 writable bytes.
-                unsafe { _mm256_storeu_si256(bits.as_mut_ptr().cast(), key) };
-                let mut place = p.wrapping_add(shape.k_byte(h, d0, slot));
-                for &key in &bits[..n] {
-                    // SAFETY: `place` is `k_byte(h, d0 + j, slot)` for the `j`-th key, `j < n`, and
-                    // `slot < block_tokens`: a two-byte key inside the K region of the page,
-                    // whose length was checked above.
-                    unsafe { place.cast::<u16>().write_unaligned(key) };
-                    place = place.wrapping_add(channel_stride);
+                let at = p.wrapping_add(shape.v_byte(h, slot, d0));
+                if n == LANES {
+                    // SAFETY: the values of channels `d0..d0 + 16` at `slot` are 32 contiguous
+                    // bytes from `at`, inside the V region.
+                    unsafe { _mm256_storeu_si256(at.cast(), values) };
+                } else {
+                    // SAFETY: 32 writable bytes.
+                    unsafe { _mm256_storeu_si256(bits.as_mut_ptr().cast(), values) };
+                    // SAFETY: the values of channels `d0..d0 + n` at `slot` are `2n` contiguous
+                    // bytes from `at`, inside the V region; the buffer holds 32.
+                    unsafe { std::ptr::copy_nonoverlapping(bits.as_ptr().cast::<u8>(), at, 2 * n) };
                 }
                 (lo, hi) = widen(lo, hi, key, infinite);
+                // A chunk's keys go out in 32-bit lanes, two slots each: the last slot of a call
+                // whose last chunk has an odd number goes key by key.
+                let last = i + 1 == count;
+                if !TRANSPOSE || (last && i % 2 == 0) {
+                    // SAFETY: 32 writable bytes.
+                    unsafe { _mm256_storeu_si256(bits.as_mut_ptr().cast(), key) };
+                    let mut place = p.wrapping_add(shape.k_byte(h, d0, slot));
+                    for &key in &bits[..n] {
+                        // SAFETY: `place` is `k_byte(h, d0 + j, slot)` for the `j`-th key, `j < n`,
+                        // and `slot < block_tokens`: a two-byte key inside the K region of the
+                        // page, whose length was checked above.
+                        unsafe { place.cast::<u16>().write_unaligned(key) };
+                        place = place.wrapping_add(channel_stride);
+                    }
+                }
+                if !TRANSPOSE {
+                    continue;
+                }
+                chunk[i % LANES] = key;
+                if i % LANES == LANES - 1 || last {
+                    // The chunk's slots `start..=slot`, contiguous in each channel; the whole
+                    // pairs of them stored here.
+                    let (start, tokens) = (first + i / LANES * LANES, i % LANES + 1);
+                    let lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((tokens / 2) as i32), lane_numbers());
+                    for (j, keys) in transpose(&chunk)[..n].iter().enumerate() {
+                        let at = p.wrapping_add(shape.k_byte(h, d0 + j, start));
+                        // SAFETY: slots `start..start + tokens / 2 × 2` of channel `d0 + j < dim`,
+                        // below `slot + 1 ≤ block_tokens`: contiguous two-byte keys from `at`,
+                        // inside the K region; the mask holds those 32-bit lanes only.
+                        unsafe {
+                            if tokens == LANES {
+                                _mm256_storeu_si256(at.cast(), *keys);
+                            } else {
+                                _mm256_maskstore_epi32(at.cast(), lanes, *keys);
+                            }
+                        }
+                    }
+                }
             }
             // Back to pairs: the low unpack holds those of channels 0..4 and 8..12, the high one
             // those of 4..8 and 12..16; the permutes put them in channel order.
@@ -222,6 +282,55 @@ pub(crate) fn write_rows<E: RowElement>(
             unsafe { std::ptr::copy_nonoverlapping(pairs.as_ptr().cast::<u8>(), bounds, 4 * n) };
         }
     }
+}
+
+/// Calls of at least this many tokens (a prefill's) have their keys transposed in registers by
+/// chunks of 16 and stored a channel at a time; shorter ones (a decode step's token, a few drafts)
+/// store them key by key.
+const TRANSPOSED: usize = 8;
+
+/// The numbers 0..8 in the 32-bit lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lane_numbers() -> __m256i {
+    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+}
+
+/// Keys of up to 16 slots, a vector a slot (lane per channel), as a vector a channel (lane per
+/// slot): lane `c` of `slots[t]` is lane `t` of the result's `c`.
+///
+/// The steps of `transpose` in `rows_avx512.rs`: three unpack stages transpose the 8 × 8 blocks
+/// inside each 128-bit lane, so that a group of eight slots' vector `i` holds, in 128-bit lane
+/// `L`, channel `8L + i` at the group's slots; one 128-bit permute then joins lane `L` of both
+/// groups' vectors `i` into the result's `8L + i`. 64 shuffles, where storing key by key takes 16
+/// stores a slot.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn transpose(slots: &[__m256i; LANES]) -> [__m256i; LANES] {
+    use std::array::from_fn;
+    // Per group `g` of eight slots, `8g + k`: slots `2p, 2p + 1` (`p = k / 2`) interleaved, channels
+    // 0..4 of each 128-bit lane for even `k`, 4..8 for odd.
+    let pairs: [__m256i; LANES] = from_fn(|j| {
+        let (a, b) = (slots[j & !1], slots[j | 1]);
+        if j % 2 == 0 { _mm256_unpacklo_epi16(a, b) } else { _mm256_unpackhi_epi16(a, b) }
+    });
+    // Per group, `k < 4` for slots 0..4 and `k ≥ 4` for 4..8: channels `2(k % 4)` and `2(k % 4) + 1`.
+    let quads: [__m256i; LANES] = from_fn(|j| {
+        let (g, k) = (j & !7, j % 8);
+        let x = g + k / 4 * 4 + k % 4 / 2;
+        let (a, b) = (pairs[x], pairs[x + 2]);
+        if k % 2 == 0 { _mm256_unpacklo_epi32(a, b) } else { _mm256_unpackhi_epi32(a, b) }
+    });
+    // Per group, `k`: channel `k` of each 128-bit lane at the group's eight slots.
+    let blocks: [__m256i; LANES] = from_fn(|j| {
+        let (g, k) = (j & !7, j % 8);
+        let (a, b) = (quads[g + k / 2], quads[g + k / 2 + 4]);
+        if k % 2 == 0 { _mm256_unpacklo_epi64(a, b) } else { _mm256_unpackhi_epi64(a, b) }
+    });
+    from_fn(|c| {
+        let (a, b) = (blocks[c % 8], blocks[8 + c % 8]);
+        if c < 8 { _mm256_permute2x128_si256::<0x20>(a, b) } else { _mm256_permute2x128_si256::<0x31>(a, b) }
+    })
 }
 
 /// The channel of 16 whose extremes the tree of [`level`] leaves at `lane`: lane `8L + 2k + b`
@@ -443,6 +552,34 @@ pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: us
             let zeros = bounds_of(zero_low, 0).chain(bounds_of(zero_high, 2));
             // SAFETY: every channel's first `2 × keep` bytes lie in `keys`, written by nothing else now.
             unsafe { first_zeros(base, stride, keep, (group, n), bounds, zeros) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lane `c` of slot `t` holding `t << 8 | c` comes out as lane `t` of channel `c`.
+    #[test]
+    fn transpose_turns_slots_into_channels() {
+        if !std::is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let slots: [[u16; LANES]; LANES] = std::array::from_fn(|t| std::array::from_fn(|c| (t << 8 | c) as u16));
+        let mut channels = [[0u16; LANES]; LANES];
+        // SAFETY: avx2 was detected (the shuffles need nothing else); every load and store is of
+        // 32 bytes of a 32-byte array.
+        unsafe {
+            let vectors = slots.map(|s| _mm256_loadu_si256(s.as_ptr().cast()));
+            for (out, v) in channels.iter_mut().zip(transpose(&vectors)) {
+                _mm256_storeu_si256(out.as_mut_ptr().cast(), v);
+            }
+        }
+        for (c, channel) in channels.iter().enumerate() {
+            for (t, &x) in channel.iter().enumerate() {
+                assert_eq!(x, (t << 8 | c) as u16, "channel {c}, slot {t}");
+            }
         }
     }
 }
