@@ -464,8 +464,27 @@ pub fn growth_pct(start: u64, end: u64) -> f64 {
 /// first sample after a third of the chaos, and report the growth without judging it).
 pub const FULL_WARMUP: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// The most kvmmd's RSS (`VmRSS`) may grow from the sample after the warm-up to the one at the end.
+/// The most kvmmd's RSS (`VmRSS`) may grow: by its trend over the per-minute samples where there
+/// are enough of them ([`trend_pct`]), else from the sample after the warm-up to the one at the end.
 pub const MAX_GROWTH_PCT: f64 = 5.0;
+
+/// Per-minute samples needed for [`trend_pct`]: six minutes of chaos.
+pub const TREND_SAMPLES: usize = 6;
+
+/// The growth in percent that a series of samples (oldest first) shows as a trend: from the
+/// highest sample of its first third to the lowest of its last third. A leak lifts even the lowest
+/// late sample above every early one; a swing (kvmmd's RSS moves by about 6% within minutes as
+/// sessions come and go) gives a growth near or below zero, where two single samples can show
+/// the whole swing. `None` with fewer than [`TREND_SAMPLES`] samples.
+pub fn trend_pct(samples: &[u64]) -> Option<f64> {
+    if samples.len() < TREND_SAMPLES {
+        return None;
+    }
+    let third = samples.len() / 3;
+    let early = samples[..third].iter().max()?;
+    let late = samples[samples.len() - third..].iter().min()?;
+    Some(growth_pct(*early, *late))
+}
 
 /// How each client process ended, counted over the run.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -559,6 +578,9 @@ pub struct Report {
     pub memory_series: Vec<(f64, Memory)>,
     pub rss_growth_pct: Option<f64>,
     pub pss_growth_pct: Option<f64>,
+    /// [`trend_pct`] of the RSS samples of [`Report::memory_series`]; where there is one, the
+    /// verdict judges it instead of [`Report::rss_growth_pct`].
+    pub rss_trend_pct: Option<f64>,
     /// Whether the RSS growth counts in the verdict: only after the full warm-up
     /// ([`FULL_WARMUP`]); a smoke run's first sample is taken while kvmmd's heaps still grow.
     pub memory_judged: bool,
@@ -584,10 +606,14 @@ impl Report {
         if self.client_processes.unexpected > 0 {
             why.push(format!("{} clients ended unexpectedly", self.client_processes.unexpected));
         }
-        match (self.rss_growth_pct, self.memory_judged) {
+        let (growth, measure) = match self.rss_trend_pct {
+            Some(trend) => (Some(trend), "as a trend over the per-minute samples"),
+            None => (self.rss_growth_pct, "from the sample after the warm-up to the end"),
+        };
+        match (growth, self.memory_judged) {
             (_, false) => {}
             (Some(g), true) if g > MAX_GROWTH_PCT => {
-                why.push(format!("kvmmd's RSS grew {g:.2}% (limit {MAX_GROWTH_PCT}%)"));
+                why.push(format!("kvmmd's RSS grew {g:.2}% {measure} (limit {MAX_GROWTH_PCT}%)"));
             }
             (Some(_), true) => {}
             (None, true) => why.push("kvmmd's memory was not measured at both ends".to_owned()),
@@ -691,9 +717,16 @@ impl fmt::Display for Report {
         writeln!(f, "memory start: {}", memory_line(&self.memory_start))?;
         writeln!(f, "memory end:   {}", memory_line(&self.memory_end))?;
         let pct = |g: Option<f64>| g.map_or("?".to_owned(), |g| format!("{g:+.2}%"));
+        let trend = match self.rss_trend_pct {
+            Some(t) => format!(
+                "; RSS trend {t:+.2}% (the lowest of the last third of the samples against the highest of the \
+                 first), judged instead"
+            ),
+            None => String::new(),
+        };
         writeln!(
             f,
-            "memory growth: RSS {}, PSS {}{}",
+            "memory growth: RSS {}, PSS {}{trend}{}",
             pct(self.rss_growth_pct),
             pct(self.pss_growth_pct),
             if self.memory_judged { "" } else { " (not judged: the run is too short for the 30 s warm-up)" }
@@ -892,6 +925,21 @@ mod tests {
     }
 
     #[test]
+    fn a_trend_needs_six_samples_and_sees_a_climb_but_not_a_swing() {
+        assert_eq!(trend_pct(&[100, 110, 120, 130, 140]), None);
+        // A steady climb of 2% a minute over 9 minutes: the late minimum far above the early maximum.
+        let climb: Vec<u64> = (0..9).map(|m| 40_000 + 800 * m).collect();
+        let t = trend_pct(&climb).expect("nine samples");
+        assert!((t - growth_pct(40_000 + 800 * 2, 40_000 + 800 * 6)).abs() < 1e-9, "{t}");
+        assert!(t > MAX_GROWTH_PCT);
+        // A swing with no trend, like that of a 20-minute soak (39,692–42,124 KiB, no climb).
+        let swing = [41_176, 40_468, 41_564, 39_692, 40_904, 41_316, 40_080, 40_252, 41_772, 42_124];
+        let t = trend_pct(&swing).expect("ten samples");
+        assert!(t <= 0.0, "{t}");
+        assert!(growth_pct(39_692, 42_124) > MAX_GROWTH_PCT, "two samples of the swing would fail it");
+    }
+
+    #[test]
     fn every_action_is_drawn_and_policy_flips_always_change_the_body() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(9);
         let drawn: std::collections::BTreeSet<Action> = (0..1000).map(|_| pick_action(&mut rng)).collect();
@@ -924,6 +972,12 @@ mod tests {
         ok.client_processes.fails = 0;
         ok.decide();
         assert!(ok.passed, "{:?}", ok.failures);
+        let mut swing = Report { rss_growth_pct: Some(6.0), rss_trend_pct: Some(-1.0), ..ok.clone() };
+        swing.decide();
+        assert!(swing.passed, "the trend is judged where there is one: {:?}", swing.failures);
+        let mut leak = Report { rss_growth_pct: Some(1.0), rss_trend_pct: Some(5.5), ..ok.clone() };
+        leak.decide();
+        assert_eq!(leak.failures, ["kvmmd's RSS grew 5.50% as a trend over the per-minute samples (limit 5%)"]);
         let mut smoke = Report { rss_growth_pct: Some(20.0), memory_judged: false, ..ok };
         smoke.decide();
         assert!(smoke.passed, "a smoke run's memory is reported, not judged: {:?}", smoke.failures);

@@ -203,6 +203,19 @@ pub(crate) fn set_bits(mut mask: u32) -> impl Iterator<Item = usize> {
     })
 }
 
+/// For the vector writers' tests: checks that `transpose` turns the vectors of `N` slots (lane
+/// `c` of slot `t` holding `t << 8 | c`) into those of their `N` channels (lane `t` of channel `c`).
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(crate) fn check_transpose<const N: usize>(transpose: impl FnOnce([[u16; N]; N]) -> [[u16; N]; N]) {
+    use std::array::from_fn;
+    let channels = transpose(from_fn(|t| from_fn(|c| (t << 8 | c) as u16)));
+    for (c, channel) in channels.iter().enumerate() {
+        for (t, &x) in channel.iter().enumerate() {
+            assert_eq!(x, (t << 8 | c) as u16, "channel {c}, slot {t}");
+        }
+    }
+}
+
 /// The bits of +∞ in `format` (f16 or bf16; any other format as f16): the empty lower key bound,
 /// and with the sign bit set the empty upper one. A key whose magnitude bits exceed them is NaN.
 pub(crate) const fn infinity_bits(format: Format) -> u16 {

@@ -557,27 +557,23 @@ pub(crate) fn truncate_keys(keys: &mut [u8], bounds: &mut [u8], block_tokens: us
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::rows::check_transpose;
 
-    /// Lane `c` of slot `t` holding `t << 8 | c` comes out as lane `t` of channel `c`.
     #[test]
     fn transpose_turns_slots_into_channels() {
         if !std::is_x86_feature_detected!("avx512bw") {
             return;
         }
-        let slots: [[u16; LANES]; LANES] = std::array::from_fn(|t| std::array::from_fn(|c| (t << 8 | c) as u16));
-        let mut channels = [[0u16; LANES]; LANES];
-        // SAFETY: avx512bw was detected (this kernel's CPUs have f, vl and avx2 with it); every
-        // load and store is of 64 bytes of a 64-byte array.
-        unsafe {
-            let vectors = slots.map(|s| _mm512_loadu_si512(s.as_ptr().cast()));
-            for (out, v) in channels.iter_mut().zip(transpose(&vectors)) {
-                _mm512_storeu_si512(out.as_mut_ptr().cast(), v);
+        check_transpose::<LANES>(|slots| {
+            let mut channels = [[0u16; LANES]; LANES];
+            // SAFETY: avx512bw was detected (this kernel's CPUs have f, vl and avx2 with it); every load and store is of 64 bytes of a 64-byte array.
+            unsafe {
+                let vectors = slots.map(|s| _mm512_loadu_si512(s.as_ptr().cast()));
+                for (out, v) in channels.iter_mut().zip(transpose(&vectors)) {
+                    _mm512_storeu_si512(out.as_mut_ptr().cast(), v);
+                }
             }
-        }
-        for (c, channel) in channels.iter().enumerate() {
-            for (t, &x) in channel.iter().enumerate() {
-                assert_eq!(x, (t << 8 | c) as u16, "channel {c}, slot {t}");
-            }
-        }
+            channels
+        });
     }
 }
