@@ -163,7 +163,7 @@ pub(crate) fn write_rows<E: RowElement>(
     v: &[E],
 ) {
     let row = shape.kv_heads * shape.head_dim;
-    if k.len() / row.max(1) >= TRANSPOSED {
+    if k.len() / row >= TRANSPOSED {
         write::<E, true>(shape, format, page, first, k, v);
     } else {
         write::<E, false>(shape, format, page, first, k, v);
@@ -250,7 +250,8 @@ fn write<E: RowElement, const TRANSPOSE: bool>(
                     // The chunk's slots `start..=slot`, contiguous in each channel; the whole
                     // pairs of them stored here.
                     let (start, tokens) = (first + i / LANES * LANES, i % LANES + 1);
-                    let lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((tokens / 2) as i32), lane_numbers());
+                    let numbers = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                    let lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32((tokens / 2) as i32), numbers);
                     for (j, keys) in transpose(&chunk)[..n].iter().enumerate() {
                         let at = p.wrapping_add(shape.k_byte(h, d0 + j, start));
                         // SAFETY: slots `start..start + tokens / 2 × 2` of channel `d0 + j < dim`,
@@ -288,13 +289,6 @@ fn write<E: RowElement, const TRANSPOSE: bool>(
 /// chunks of 16 and stored a channel at a time; shorter ones (a decode step's token, a few drafts)
 /// store them key by key.
 const TRANSPOSED: usize = 8;
-
-/// The numbers 0..8 in the 32-bit lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn lane_numbers() -> __m256i {
-    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
-}
 
 /// Keys of up to 16 slots, a vector a slot (lane per channel), as a vector a channel (lane per
 /// slot): lane `c` of `slots[t]` is lane `t` of the result's `c`.
@@ -568,7 +562,8 @@ mod tests {
         }
         check_transpose::<LANES>(|slots| {
             let mut channels = [[0u16; LANES]; LANES];
-            // SAFETY: avx2 was detected (the shuffles need nothing else); every load and store is of 32 bytes of a 32-byte array.
+            // SAFETY: avx2 was detected (the shuffles need nothing else); every load and store is
+            // of 32 bytes of a 32-byte array.
             unsafe {
                 let vectors = slots.map(|s| _mm256_loadu_si256(s.as_ptr().cast()));
                 for (out, v) in channels.iter_mut().zip(transpose(&vectors)) {

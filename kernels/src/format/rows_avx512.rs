@@ -6,7 +6,7 @@
 //! token, the values and keys converted 32 at a time, the values stored as their row and the
 //! bounds widened on the bits; at the end the bounds interleaved and stored back. The keys of a call
 //! of at least [`TRANSPOSED`] tokens (a prefill's) go to their channel-major places by chunks of up
-//! to 32 tokens, transposed in registers ([`transpose`]) and stored a channel at a time: 1.8× the
+//! to 32 tokens, transposed in registers ([`transpose`]) and stored a channel at a time: 1.4–2.1× the
 //! words a second of storing them key by key, as a shorter call (a decode step's token) does.
 //!
 //! ```text
@@ -235,7 +235,7 @@ pub(crate) fn write_rows<E: RowElement>(
     v: &[E],
 ) {
     let row = shape.kv_heads * shape.head_dim;
-    if k.len() / row.max(1) >= TRANSPOSED {
+    if k.len() / row >= TRANSPOSED {
         write::<E, true>(shape, format, page, first, k, v);
     } else {
         write::<E, false>(shape, format, page, first, k, v);
@@ -566,7 +566,8 @@ mod tests {
         }
         check_transpose::<LANES>(|slots| {
             let mut channels = [[0u16; LANES]; LANES];
-            // SAFETY: avx512bw was detected (this kernel's CPUs have f, vl and avx2 with it); every load and store is of 64 bytes of a 64-byte array.
+            // SAFETY: avx512bw was detected (this kernel's CPUs have f, vl and avx2 with it); every
+            // load and store is of 64 bytes of a 64-byte array.
             unsafe {
                 let vectors = slots.map(|s| _mm512_loadu_si512(s.as_ptr().cast()));
                 for (out, v) in channels.iter_mut().zip(transpose(&vectors)) {
