@@ -3,6 +3,10 @@
 //! bytes) is filled to 2,048 full pages (270 MB), then one request works on all of it (an admin
 //! `Compress` to q8 or q4, an admin `Demote` to DRAM or to flash, the owner's `Detach`, an admin
 //! `WipeSession`) while a second client calls `SessionStats` on its own small session in a loop.
+//! The demotion to flash runs twice more with a third party beside it: an operator's admin
+//! `Status` every millisecond (`kvmmctl top`, a metrics scraper), which reads the flash file's
+//! counters; and a client whose pages are sent to flash and faulted back in a loop (4 layers of 8
+//! pages), whose promotions give flash slots back while the demotion's batches hold the flash file.
 //! Prints how long the request took and the latency of the other client's calls that started
 //! while it ran (p50, p99, max): a daemon that held its one lock for the whole request would make
 //! the first of them wait about as long as the request.
@@ -32,9 +36,60 @@ enum Request {
     Compress(pb::PageFormat),
     /// An admin `Demote` to DRAM or to flash (through DRAM: compressed to q8, then sealed).
     Demote(pb::Tier),
+    /// The same with a third party calling beside it.
+    DemoteBeside(pb::Tier, Beside),
     Detach,
     Wipe,
 }
+
+/// What a third party does beside a request, until it is done.
+#[derive(Clone, Copy, Debug)]
+enum Beside {
+    /// An admin `Status` every millisecond.
+    Status,
+    /// A session of 4 Llama-3-8B layers × 8 pages demoted to flash and faulted back (attention over
+    /// every layer), again and again.
+    Faults,
+}
+
+impl Beside {
+    fn run(self, client: &Client, admin: &AdminClient, done: &AtomicBool) {
+        let mut admin = admin.clone();
+        match self {
+            Beside::Status => {
+                while !done.load(Ordering::Acquire) {
+                    client.block_on(admin.status(pb::StatusRequest {})).unwrap();
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            Beside::Faults => {
+                let geometry = Geometry { layers: 4, ..support::llama3_8b(8 * 32) };
+                let mut session = client.attach(geometry).unwrap();
+                let row = (geometry.kv_heads * geometry.head_dim) as usize;
+                let k: Vec<f32> = (0..8 * 32 * row).map(|i| ((i * 31) % 97) as f32 / 97.0 - 0.5).collect();
+                for layer in 0..geometry.layers {
+                    session.append(layer, &k, &k).unwrap();
+                }
+                let q = vec![0.1f32; (geometry.q_heads * geometry.head_dim) as usize];
+                let mut out = vec![0.0f32; q.len()];
+                while !done.load(Ordering::Acquire) {
+                    let request = pb::DemoteRequest {
+                        session_id: session.id(),
+                        tier: pb::Tier::Flash as i32,
+                        ..Default::default()
+                    };
+                    client.block_on(admin.demote(request)).unwrap();
+                    for layer in 0..geometry.layers {
+                        session.attention(layer, &q, &mut out).unwrap();
+                    }
+                }
+                session.detach().unwrap();
+            }
+        }
+    }
+}
+
+type AdminClient = pb::admin_client::AdminClient<tonic::transport::Channel>;
 
 fn main() {
     let dir = tempfile::tempdir().unwrap();
@@ -76,6 +131,8 @@ fn main() {
         Request::Compress(pb::PageFormat::Q4),
         Request::Demote(pb::Tier::Dram),
         Request::Demote(pb::Tier::Flash),
+        Request::DemoteBeside(pb::Tier::Flash, Beside::Status),
+        Request::DemoteBeside(pb::Tier::Flash, Beside::Faults),
         Request::Detach,
         Request::Wipe,
     ];
@@ -98,6 +155,13 @@ fn main() {
                     }
                     samples
                 });
+                let beside = match request {
+                    Request::DemoteBeside(_, beside) => {
+                        let (client, admin, done) = (&client, &admin, &done);
+                        Some(scope.spawn(move || beside.run(client, admin, done)))
+                    }
+                    _ => None,
+                };
                 // Let the other client's loop start first.
                 std::thread::sleep(Duration::from_millis(50));
                 let t = Instant::now();
@@ -119,7 +183,7 @@ fn main() {
                         assert_eq!(r.compressed, llama.layers * BLOCKS, "{r:?}");
                         kept = Some(session);
                     }
-                    Request::Demote(tier) => {
+                    Request::Demote(tier) | Request::DemoteBeside(tier, _) => {
                         let r = client
                             .block_on(admin.demote(pb::DemoteRequest {
                                 session_id: id,
@@ -146,6 +210,9 @@ fn main() {
                 }
                 let took = t.elapsed();
                 done.store(true, Ordering::Release);
+                if let Some(beside) = beside {
+                    beside.join().unwrap();
+                }
                 // The calls that started while the request ran (the last one may end after it).
                 let during: Vec<Duration> = calls
                     .join()

@@ -14,7 +14,7 @@ use std::time::Instant;
 use kvmm_shm::fdpass::{FdRequest, PeerCred};
 use kvmm_shm::{ClientRegion, Geometry, Memfd, PageLocation, SessionTable, TableStatus};
 use kvmm_store::dram::DramPool;
-use kvmm_store::flash::{FlashFile, FlashSlot, RUN_BYTES};
+use kvmm_store::flash::{FlashFile, FlashSlot, FlashStats, RUN_BYTES};
 use kvmm_store::io::{EngineKind, IoBuffers, probe};
 use kvmm_store::seal::SessionKey;
 use kvmm_store::tier::{Tier, TierKind, TierStats};
@@ -96,9 +96,12 @@ pub struct Daemon {
     pub prefault_wanted: tokio::sync::Notify,
     /// Start time, for uptime.
     pub started: Instant,
-    /// The flash tier, if configured. Taken after the core lock, never before it; its I/O runs
-    /// without the core lock except on the synchronous make-room path.
+    /// The flash tier, if configured. Never waited for under the core lock, nor the core lock under
+    /// it: see `migrate::tiering`'s module doc.
     pub flash: Option<Mutex<FlashFile>>,
+    /// The flash file's counters, read without its lock (`Status` holds the core lock, and the
+    /// flash lock is held for a write's or a read's whole I/O).
+    flash_stats: Option<FlashStats>,
     /// The I/O engine of the flash tier and why it is not the first choice, if it is not.
     pub io_engine: Option<(EngineKind, Option<String>)>,
     /// Wakes the tier task (a prefetch hint arrived, or memory is short).
@@ -362,7 +365,7 @@ impl Daemon {
         let pool = Pool::new(config.device_budget);
         let t = &config.tiers;
         let dram = (t.dram_budget > 0).then(|| DramPool::new(t.dram_budget, t.seal_dram)).transpose()?;
-        let (flash, io_engine) = if t.flash_budget > 0 {
+        let (flash, flash_stats, io_engine) = if t.flash_budget > 0 {
             if let Some(dir) = t.flash_path.parent() {
                 create_private_dir(dir)
                     .map_err(|e| Error::io(format!("cannot create the flash directory {}", dir.display()), e))?;
@@ -383,9 +386,10 @@ impl Daemon {
             };
             let file = FlashFile::create(&t.flash_path, t.flash_budget, engine, Some(buffers))?;
             tracing::info!(path = %t.flash_path.display(), bytes = t.flash_budget, engine = %kind, direct = file.is_direct(), "flash tier ready");
-            (Some(Mutex::new(file)), Some((kind, probed.fallback)))
+            let stats = file.stats_handle();
+            (Some(Mutex::new(file)), Some(stats), Some((kind, probed.fallback)))
         } else {
-            (None, None)
+            (None, None, None)
         };
         let policy = Mutex::new(LivePolicy::new(&config));
         let metrics = Metrics::new(io_engine.as_ref().map(|(kind, _)| kind.name()));
@@ -414,6 +418,7 @@ impl Daemon {
             prefault_wanted: tokio::sync::Notify::new(),
             started: Instant::now(),
             flash,
+            flash_stats,
             io_engine,
             tier_wanted: crate::migrate::Wakeup::default(),
             heartbeats: crate::systemd::Heartbeats::default(),
@@ -688,8 +693,17 @@ impl Daemon {
                 }
             };
             // Under its quota first: a session that opted into eviction drops its least-attended
-            // pages (which also gives their room back), any other is refused.
-            crate::migrate::evict::fit_quota(&mut core, self.flash.as_ref(), session_id, blocks)?;
+            // pages (which also gives their room back), any other is refused. Dropped pages' flash
+            // slots are punched out (like a wipe's) with the core lock released, and then
+            // everything is checked again.
+            let mut dropped_slots = Vec::new();
+            let fitted = crate::migrate::evict::fit_quota(&mut core, session_id, blocks, &mut dropped_slots);
+            if !dropped_slots.is_empty() {
+                MutexGuard::unlocked(&mut core, || discard_flash_slots(self.flash.as_ref(), session_id, dropped_slots));
+                fitted?;
+                continue;
+            }
+            fitted?;
             if made_room || !self.config.tiers.any() || core.pool.fits(caller.uid, room.frame_len, room.count) {
                 break;
             }
@@ -804,7 +818,7 @@ impl Daemon {
         }
         report.device_bytes = s.pages.bytes();
         let uid = s.owner.uid;
-        discard_flash_slots(self.flash.as_ref(), session_id, flash_slots);
+        MutexGuard::unlocked(&mut core, || discard_flash_slots(self.flash.as_ref(), session_id, flash_slots));
         free_frames_paced(&mut core, uid, frames)?;
         if report.freed_pages > 0 {
             tracing::debug!(session = session_id, blocks, freed = report.freed_pages, "truncated");
@@ -1225,8 +1239,11 @@ impl Daemon {
         let read = tiering::read_from_flash(&mut flash.lock(), &mut inbound, &self.metrics);
         crate::failpoint::hit("promote-after-read");
         let mut core = self.core.lock();
-        let lost = tiering::commit_flash_reads(&mut core, flash, inbound, read);
+        let mut freed = Vec::new();
+        let lost = tiering::commit_flash_reads(&mut core, inbound, read, &mut freed);
         crate::failpoint::hit("promote-after-publish");
+        drop(core);
+        tiering::free_flash_slots(flash, freed);
         lost
     }
 
@@ -1405,7 +1422,7 @@ impl Daemon {
             stuck_pins: core.pins.total(),
             orphaned_sessions: core.sessions.iter().filter(|s| s.orphaned.is_some()).count() as u32,
             dram: core.dram.as_ref().map(Tier::stats),
-            flash: self.flash.as_ref().map(|f| f.lock().stats()),
+            flash: self.flash_stats.as_ref().map(FlashStats::get),
             io_engine: self.io_engine.clone(),
             tier_counters: core.tier_counters,
             pages_device: core.sessions.iter().map(|s| s.pages.count_in(TierKind::Device)).sum(),
@@ -1702,13 +1719,14 @@ fn destroy(
             Place::Flash(slot) => flash_slots.push(slot),
         }
     }
-    discard_flash_slots(flash, id, flash_slots);
+    MutexGuard::unlocked(core, || discard_flash_slots(flash, id, flash_slots));
     free_frames_paced(core, s.owner.uid, to_zero)?;
     Ok(report)
 }
 
 /// Frees and punches out flash slots whose pages are gone for good (a destroyed session's, or pages
-/// given back).
+/// given back). Called without the core lock: the flash lock's holder may be in the middle of a
+/// batch's I/O.
 fn discard_flash_slots(flash: Option<&Mutex<FlashFile>>, session: u64, slots: Vec<FlashSlot>) {
     let (Some(flash), false) = (flash, slots.is_empty()) else { return };
     let mut flash = flash.lock();

@@ -22,7 +22,9 @@
 //! repeats under any key while the file is open (keys never outlive the daemon).
 //!
 //! Accounting: `used` is the sum of the extents of the live slots; a failed write returns its
-//! extents at once (their counters stay spent).
+//! extents at once (their counters stay spent). Every call that changes the counters publishes
+//! them as it ends, to a [`FlashStats`] that can be read without the file's lock, which a write or
+//! a read holds for its whole I/O.
 
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
@@ -111,6 +113,8 @@ pub struct FlashFile {
     counters: SlotCounters,
     /// Counters for stats.
     stats: TierStats,
+    /// [`Tier::stats`] as of the end of the last call that changed it.
+    published: FlashStats,
     /// Long-lived threads for the writer, the reader and the second sealer or opener of a call
     /// (a thread spawned per call can wait milliseconds for a core; see [`IO_WORKERS`]).
     workers: rayon_core::ThreadPool,
@@ -170,8 +174,20 @@ impl FlashFile {
             slots: ExtentAllocator::with_align(capacity, IO_ALIGN as u64),
             counters: SlotCounters::new(TIER_FLASH, blocks),
             stats: TierStats { budget: capacity, ..TierStats::default() },
+            published: FlashStats(Arc::new(Mutex::new(TierStats { budget: capacity, ..TierStats::default() }))),
             workers,
         })
+    }
+
+    /// A handle to this file's counters as of the end of its last call ([`Tier::stats`] then),
+    /// readable while a call holds the file: a lock that waits for no I/O.
+    pub fn stats_handle(&self) -> FlashStats {
+        self.published.clone()
+    }
+
+    /// Publishes [`Tier::stats`] to the [`FlashStats`] handles.
+    fn publish(&self) {
+        *lock(&self.published.0) = self.stats();
     }
 
     /// Where the file lives.
@@ -576,17 +592,22 @@ impl Tier for FlashFile {
     }
 
     fn put(&mut self, pages: &[PageWrite<'_>]) -> Vec<Result<FlashSlot, TierError>> {
-        self.write(pages)
+        let written = self.write(pages);
+        self.publish();
+        written
     }
 
     fn get(&mut self, reads: &mut [PageRead<'_, FlashSlot>]) -> Vec<Result<(), TierError>> {
-        self.read(reads)
+        let read = self.read(reads);
+        self.publish();
+        read
     }
 
     /// Its counter stays spent.
     fn free(&mut self, slot: FlashSlot) {
         self.slots.free(slot.offset, slot.extent);
         self.stats.pages = self.stats.pages.saturating_sub(1);
+        self.publish();
     }
 
     /// Punches the slot's blocks out of the file, so the sealed bytes are gone from the device too
@@ -610,7 +631,18 @@ impl Tier for FlashFile {
     }
 }
 
-/// A staging buffer of at least `len` bytes: a leased chunk when one is free and large enough.
+/// A [`FlashFile`]'s counters as its last finished call left them ([`FlashFile::stats_handle`]).
+#[derive(Clone, Debug)]
+pub struct FlashStats(Arc<Mutex<TierStats>>);
+
+impl FlashStats {
+    /// The counters. A write's slots count from the end of the write, so a caller that records
+    /// the slots it was given before reading this sees them here.
+    pub fn get(&self) -> TierStats {
+        *lock(&self.0)
+    }
+}
+
 /// Locks a mutex whose holders never leave it half-updated (a panic in the pool ends the call).
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -630,6 +662,7 @@ fn sealer_threads() -> usize {
     cores.saturating_sub(1).clamp(1, MAX_SEALERS)
 }
 
+/// A staging buffer of at least `len` bytes: a leased chunk when one is free and large enough.
 fn staging(buffers: Option<&Arc<IoBuffers>>, len: usize) -> Result<Staging, IoError> {
     if let Some(buffers) = buffers
         && len <= buffers.chunk_len()

@@ -21,8 +21,9 @@
 //!   DRAM's allocator `used` equals
 //!   the bytes of the DRAM pages; every tier's `used` stays within its configured budget. Flash is
 //!   the exception: a page is written with only the flash lock held and committed to its page table
-//!   under the core lock afterwards, so the flash file may hold slots that no table names yet, and
-//!   only `used ≥ pages' bytes` holds at every instant (equality is checked after the run, when
+//!   under the core lock afterwards, and slots given back are freed after the core lock is released,
+//!   so the flash file may hold slots that no table names, and only `used ≥ pages' bytes` holds at
+//!   every instant (equality is checked after the run, when
 //!   every client is gone and every tier must be empty).
 //! - Across the RPCs (pages move between them): `ListSessions` must account for every page
 //!   `Status` counts, tier by tier, and for as many sessions. The two `Status` replies bound the

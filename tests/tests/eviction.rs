@@ -10,11 +10,16 @@
 //! - Without eviction a quota is a hard limit: `Extend` past it is `RESOURCE_EXHAUSTED` with a
 //!   sentence that says what to do; eviction without a quota, or a quota too small for the pages
 //!   eviction keeps, is `INVALID_ARGUMENT`.
+//! - Pages dropped while they are in flash give their slots back, punched out, and the flash
+//!   file's accounting follows (the slots are freed once the core lock is released).
 
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 
+use kvmm_client::{AttachOptions, Client};
+use kvmm_proto::v1::{StatusResponse, Tier, TierStatus};
+use kvmm_tests::rows::{self, DIM, Q, ROW, attend, rows};
 use kvmm_tests::{Daemon, fields, spawn_client};
 
 #[test]
@@ -129,4 +134,45 @@ fn a_quota_without_eviction_is_a_hard_limit_and_bad_quotas_are_refused() {
     c.expect_line("detached");
     assert!(c.wait(Duration::from_secs(10)).success());
     assert!(daemon.stop().success());
+}
+
+#[test]
+fn pages_dropped_in_flash_give_their_slots_back() {
+    let flash = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start_tiered("64MiB", flash.path(), &[]);
+    let client = Client::connect(daemon.socket()).unwrap();
+    // 16 pages a layer under a quota of 16: the next token's `Extend` (a batch of 4) drops 4 pages
+    // of each layer, chosen among blocks 1..12 (not the sink page, not the last 128 tokens).
+    let options = AttachOptions { quota_tokens: 512, evict: true, ..AttachOptions::default() };
+    let mut s = client.attach_with(rows::geometry(2), options).unwrap();
+    let (k, v) = (rows(513, 1), rows(513, 2));
+    for layer in 0..2 {
+        s.append(layer, &k[..512 * ROW], &v[..512 * ROW]).unwrap();
+    }
+    let moved = daemon.demote(s.id(), Tier::Flash);
+    assert_eq!(moved.demoted, 32, "{moved:?}");
+    let flash_tier =
+        |st: &StatusResponse| -> TierStatus { st.tiers.iter().find(|t| t.tier == "flash").unwrap().clone() };
+    let slots = |t: &TierStatus| t.by_format.iter().map(|f| f.bytes).sum::<u64>();
+    let before = flash_tier(&daemon.status());
+    assert_eq!((before.pages, before.used_bytes), (32, slots(&before)), "{before:?}");
+
+    for layer in 0..2 {
+        s.append(layer, &k[512 * ROW..], &v[512 * ROW..]).unwrap();
+    }
+    let st = s.stats().unwrap();
+    assert_eq!(st.dropped_pages, 8, "{st:?}");
+    let after = flash_tier(&daemon.status());
+    assert_eq!(after.pages, 24, "{after:?}");
+    assert_eq!(after.used_bytes, slots(&after), "the dropped pages' slots are free: {after:?}");
+    assert!(after.used_bytes < before.used_bytes, "{before:?} {after:?}");
+    // The pages kept are still read (faulted back from flash); the dropped ones are skipped.
+    let q = rows(3, 3)[..Q * DIM].to_vec();
+    for layer in 0..2 {
+        let out = attend(&mut s, layer, &q);
+        assert!(out.iter().all(|x| x.is_finite()), "layer {layer}");
+    }
+    s.detach().unwrap();
+    let drained = daemon.wait_drained();
+    assert!(drained.tiers.iter().all(|t| t.pages == 0 && t.used_bytes == 0), "{drained:?}");
 }

@@ -15,9 +15,8 @@
 //! goes instead. [`drop_order`] is the pure ranking; [`fit_quota`] carries it out through the
 //! pin/migrate protocol and frees each dropped page's frame, DRAM slot or flash slot.
 
-use kvmm_store::flash::{FlashFile, FlashSlot};
+use kvmm_store::flash::FlashSlot;
 use kvmm_store::tier::Tier;
-use parking_lot::Mutex;
 
 use crate::daemon::Core;
 use crate::error::{Error, Result};
@@ -58,8 +57,9 @@ pub fn min_quota_pages(block_tokens: u32) -> u32 {
 /// Makes room under session `session_id`'s quota for `blocks` more pages in every layer: fails
 /// with `RESOURCE_EXHAUSTED` when the session did not opt into eviction, or when not enough pages
 /// may be dropped (pages dropped on the way stay dropped: they were over the quota). Returns the
-/// pages dropped.
-pub fn fit_quota(core: &mut Core, flash: Option<&Mutex<FlashFile>>, session_id: u64, blocks: u32) -> Result<u64> {
+/// pages dropped. The flash slots of the pages dropped go to `flash_slots`, for the caller to punch
+/// out once it has released the core lock, even when this fails.
+pub fn fit_quota(core: &mut Core, session_id: u64, blocks: u32, flash_slots: &mut Vec<FlashSlot>) -> Result<u64> {
     let Core { pool, sessions, dram, .. } = core;
     let Some(s) = sessions.get_mut_unchecked(session_id) else { return Err(Error::UnknownSession(session_id)) };
     let Some(quota) = s.quota.pages_per_layer else { return Ok(0) };
@@ -71,7 +71,6 @@ pub fn fit_quota(core: &mut Core, flash: Option<&Mutex<FlashFile>>, session_id: 
         evict: s.quota.evict,
     };
     let mut dropped = 0u64;
-    let mut flash_slots: Vec<FlashSlot> = Vec::new();
     let mut result = Ok(());
     for layer in 0..s.geometry.layers {
         let live = s.pages.live_blocks(layer);
@@ -125,15 +124,6 @@ pub fn fit_quota(core: &mut Core, flash: Option<&Mutex<FlashFile>>, session_id: 
                 window: RECENT_WINDOW_TOKENS,
             });
             break;
-        }
-    }
-    if let (Some(flash), false) = (flash, flash_slots.is_empty()) {
-        let mut flash = flash.lock();
-        for slot in flash_slots {
-            // Punched out, like a wipe: the bytes of a dropped page are gone for good.
-            if let Err(e) = flash.discard(slot) {
-                tracing::warn!(session = session_id, error = %e, "a dropped page's flash slot was freed but not punched out");
-            }
         }
     }
     if dropped > 0 {

@@ -11,10 +11,10 @@
 //! - **DRAM → flash**, in three phases so flash I/O never runs under the core lock:
 //!   [`take_from_dram`] copies the pages out of the pool (core lock), [`write_to_flash`] seals and
 //!   writes them (flash lock only), [`commit_to_flash`] switches every page that is still where it
-//!   was to its flash slot and frees the DRAM slot (core lock, then flash lock); a page promoted or
-//!   destroyed in between keeps its new state and its flash slot is returned. From take to commit
-//!   the pages are in `Core::outbound`: another move to flash running meanwhile (the flash drain
-//!   and a request making room) neither picks nor takes them.
+//!   was to its flash slot and frees the DRAM slot (core lock); a page promoted or destroyed in
+//!   between keeps its new state and its flash slot is returned (flash lock, after the core lock).
+//!   From take to commit the pages are in `Core::outbound`: another move to flash running meanwhile
+//!   (the flash drain and a request making room) neither picks nor takes them.
 //! - **Promotion**: DRAM pages are copied into a fresh frame under the core lock
 //!   ([`promote_from_dram`]); flash pages get their frame under the core lock ([`prepare_flash_reads`]),
 //!   are read and authenticated under the flash lock alone ([`read_from_flash`]) and published under
@@ -24,7 +24,13 @@
 //!   pushing its coldest pages to flash, with the core lock released during the flash I/O), never
 //!   touching protected pages.
 //!
-//! Lock order: core, then flash. Nothing holds the flash lock while taking the core lock.
+//! Locks: nothing waits for the flash lock while it holds the core lock, nor for the core lock
+//! while it holds the flash lock. A write or a read holds the flash lock for its whole batch (an
+//! 8 MiB write seals and writes for milliseconds), so a wait for it under the core lock would stop
+//! every client's requests for as long: flash slots given back under the core lock (pages
+//! promoted, destroyed, truncated, dropped, or orphaned by a move) are freed or punched out once
+//! the core lock is released ([`free_flash_slots`]), and `Status` reads the flash counters
+//! through their own handle ([`kvmm_store::flash::FlashStats`]).
 //!
 //! Victims ([`pick_victims`]): full pages first; for a request that waits on the room ([`Need`])
 //! then empty pages (reserved by `Extend`) and last partly written tails, which the client faults
@@ -605,17 +611,17 @@ fn write_to_flash(flash: &mut FlashFile, out: &[Outbound], metrics: &Metrics) ->
     metrics.time_flash(FlashOp::Write, || flash.put(&writes))
 }
 
-/// DRAM → flash, phase 3 (core lock, then flash lock): every page still in the DRAM slot it was
-/// taken from now lives in its flash slot; the rest give their flash slot back. Returns pages moved.
+/// DRAM → flash, phase 3 (core lock): every page still in the DRAM slot it was taken from now
+/// lives in its flash slot; the others' flash slots go to `orphans`, for the caller to free once it
+/// has released the core lock. Returns pages moved.
 fn commit_to_flash(
     core: &mut Core,
-    flash: &Mutex<FlashFile>,
     out: Vec<Outbound>,
     written: Vec<Result<FlashSlot, TierError>>,
+    orphans: &mut Vec<FlashSlot>,
 ) -> u32 {
     let Core { sessions, dram, tier_counters, outbound, .. } = core;
     let mut moved = 0;
-    let mut orphans = Vec::new();
     for o in &out {
         outbound.remove(&o.page);
     }
@@ -641,13 +647,20 @@ fn commit_to_flash(
             _ => orphans.push(slot),
         }
     }
-    if !orphans.is_empty() {
-        let mut flash = flash.lock();
-        for slot in orphans {
-            flash.free(slot);
-        }
-    }
     moved
+}
+
+/// Returns flash slots whose pages live elsewhere now (their bytes are stale copies; a page whose
+/// bytes must go for good is discarded instead). Called without the core lock: the flash lock's
+/// holder may be in the middle of a batch's I/O.
+pub fn free_flash_slots(flash: &Mutex<FlashFile>, slots: Vec<FlashSlot>) {
+    if slots.is_empty() {
+        return;
+    }
+    let mut flash = flash.lock();
+    for slot in slots {
+        flash.free(slot);
+    }
 }
 
 /// Promotes one DRAM page into a fresh frame (core lock); the caller made room. Returns whether the
@@ -751,18 +764,18 @@ pub fn read_from_flash(
     metrics.time_flash(FlashOp::Read, || flash.get(&mut reads))
 }
 
-/// Flash → device, phase 3 (core lock, then flash lock): publishes every page read intact that is
-/// still in the slot it was read from; frees the frames of the others. Returns the pages that
-/// failed authentication.
+/// Flash → device, phase 3 (core lock): publishes every page read intact that is still in the slot
+/// it was read from; frees the frames of the others. The flash slots of the pages published go to
+/// `freed`, for the caller to free once it has released the core lock ([`free_flash_slots`]), even
+/// when this fails. Returns the pages that failed authentication.
 pub fn commit_flash_reads(
     core: &mut Core,
-    flash: &Mutex<FlashFile>,
     inbound: Vec<Inbound>,
     read: Vec<Result<(), TierError>>,
+    freed: &mut Vec<FlashSlot>,
 ) -> Result<Vec<(PageRef, TierError)>> {
     let Core { pool, sessions, tier_counters, reserved, .. } = core;
     let mut lost = Vec::new();
-    let mut freed = Vec::new();
     let mut failed: Option<TierError> = None;
     // Every frame is published or freed below, all under this one hold of the core lock.
     for i in &inbound {
@@ -792,12 +805,6 @@ pub fn commit_flash_reads(
                 }
             }
             (None, Ok(())) => pool.free_frame(i.uid, i.frame)?,
-        }
-    }
-    if !freed.is_empty() {
-        let mut flash = flash.lock();
-        for slot in freed {
-            flash.free(slot);
         }
     }
     match failed {
@@ -983,7 +990,12 @@ fn move_batch_to_flash(core: &mut MutexGuard<'_, Core>, flash: &Mutex<FlashFile>
         written
     });
     crate::failpoint::hit("flash-after-write");
-    Ok(commit_to_flash(core, flash, out, written))
+    let mut orphans = Vec::new();
+    let moved = commit_to_flash(core, out, written, &mut orphans);
+    if !orphans.is_empty() {
+        MutexGuard::unlocked(core, || free_flash_slots(flash, orphans));
+    }
+    Ok(moved)
 }
 
 /// Moves at least `bytes` of the coldest DRAM pages to flash ([`move_to_flash`]: the core lock is

@@ -322,6 +322,32 @@ fn discard_punches_the_slot_out_of_the_file() {
     assert_eq!(file.stats().pages, 1);
 }
 
+#[test]
+fn published_counters_follow_every_call_and_are_read_while_the_file_is_held() {
+    let (_, engine, buffers) = engines().remove(1);
+    let (_dir, mut file) = file_with(engine, buffers, 4 << 20);
+    let handle = file.stats_handle();
+    assert_eq!(handle.get(), file.stats());
+    let key = SessionKey::generate().unwrap();
+    let slots = write_all(&mut file, &key, &[page_bytes(1, PAGE), page_bytes(2, PAGE), page_bytes(3, PAGE)]);
+    assert_eq!((handle.get().pages, handle.get().used), (3, 3 * FlashFile::extent_for(PAGE)));
+    let (_, results) = read_all(&mut file, &key, &slots[..2]);
+    assert!(results.iter().all(Result::is_ok));
+    assert_eq!(handle.get().pages_out, 2);
+    file.free(slots[0]);
+    file.discard(slots[1]).unwrap();
+    assert_eq!(handle.get(), file.stats());
+    assert_eq!((handle.get().pages, handle.get().used), (1, FlashFile::extent_for(PAGE)));
+    // A reader of the counters does not wait for whoever holds the file (a write's whole I/O).
+    let held = std::sync::Mutex::new(file);
+    let _guard = held.lock().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = handle.clone();
+    std::thread::spawn(move || tx.send(reader.get()).unwrap());
+    let seen = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("the counters while the file is held");
+    assert_eq!(seen.pages, 1);
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Write(usize),
