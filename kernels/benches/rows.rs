@@ -2,7 +2,10 @@
 //! widened), one thread, in elements per second (an element is one K or V value): a whole page of
 //! 32 tokens per call (prefill) and one token per call (decode), from f32 rows into f16 and bf16
 //! pages and from f16 rows into an f16 page, for the SmolLM2 (3 × 64) and Llama-3-8B (8 × 128)
-//! shapes. 64 pages cycled, in cache. Every writer this CPU runs (AVX-512, AVX2, scalar), and the
+//! shapes. 64 pages cycled: a page filled before the next (in cache), and for one token a call also
+//! the pages in turn, a token to each before the next token, as an engine's layers take a decode
+//! step's token (each call finds its page's lines out of L1: a token's keys touch a cache line per
+//! channel of the channel-major K region). Every writer this CPU runs (AVX-512, AVX2, scalar), and the
 //! same write element by element (the rule the writers implement and how it was written before:
 //! each element converted alone, put in place, then a second pass over the stored keys for the
 //! bounds), each with its ratio to the scalar writer, all in one run.
@@ -99,7 +102,18 @@ enum Writer {
     ByElement,
 }
 
-/// G elements/s of writing `k`/`v` (one page's rows) into every page, `tokens` per call.
+/// The order in which a measurement's calls visit the pages.
+#[derive(Clone, Copy, PartialEq)]
+enum Order {
+    /// Every call of a page before the next page (the page stays in L1).
+    PageByPage,
+    /// The calls' first slots in turn: the first call of every page, then the second, as an
+    /// engine's layers append a decode step's token one after the other.
+    InTurn,
+}
+
+/// G elements/s of writing `k`/`v` (one page's rows) into every page, `tokens` per call, in
+/// `order`.
 #[allow(clippy::too_many_arguments, reason = "a bench helper")]
 fn measure<E: Element>(
     runs: usize,
@@ -109,22 +123,35 @@ fn measure<E: Element>(
     k: &[E],
     v: &[E],
     tokens: usize,
+    order: Order,
     writer: Writer,
 ) -> f64 {
     let bytes = shape.page_bytes(format);
     let row = shape.kv_heads * shape.head_dim;
-    let seconds = best_seconds(runs, || {
-        for page in pages.chunks_exact_mut(bytes) {
-            for first in (0..BLOCK_TOKENS).step_by(tokens) {
-                let rows = first * row..(first + tokens) * row;
-                match writer {
-                    Writer::Kernel(isa) => {
-                        write_rows_with(isa, shape, format, page, first, &k[rows.clone()], &v[rows]).expect("rows fit")
-                    }
-                    Writer::ByElement => element_by_element(shape, format, page, first, &k[rows.clone()], &v[rows]),
+    let call = |page: &mut [u8], first: usize| {
+        let rows = first * row..(first + tokens) * row;
+        match writer {
+            Writer::Kernel(isa) => {
+                write_rows_with(isa, shape, format, page, first, &k[rows.clone()], &v[rows]).expect("rows fit")
+            }
+            Writer::ByElement => element_by_element(shape, format, page, first, &k[rows.clone()], &v[rows]),
+        }
+        black_box(&page);
+    };
+    let seconds = best_seconds(runs, || match order {
+        Order::PageByPage => {
+            for page in pages.chunks_exact_mut(bytes) {
+                for first in (0..BLOCK_TOKENS).step_by(tokens) {
+                    call(page, first);
                 }
             }
-            black_box(&page);
+        }
+        Order::InTurn => {
+            for first in (0..BLOCK_TOKENS).step_by(tokens) {
+                for page in pages.chunks_exact_mut(bytes) {
+                    call(page, first);
+                }
+            }
         }
     });
     (PAGES * 2 * BLOCK_TOKENS * row) as f64 / seconds / 1e9
@@ -144,8 +171,8 @@ fn main() {
         .collect();
     println!("single thread, block_tokens {BLOCK_TOKENS}, {PAGES} pages cycled; G elements/s (1e9 per second)");
     println!(
-        "{:<10} {:<12} {:<11} {:>10} {:>8} {:>10} {:>8}",
-        "shape", "rows → page", "writer", "32 tokens", "÷ scalar", "1 token", "÷ scalar"
+        "{:<10} {:<12} {:<11} {:>10} {:>8} {:>10} {:>8} {:>10} {:>8}",
+        "shape", "rows → page", "writer", "32 tokens", "÷ scalar", "1 token", "÷ scalar", "in turn", "÷ scalar"
     );
     for (name, kv_heads, head_dim) in [("smollm2", 3, 64), ("llama3-8b", 8, 128)] {
         let shape = PageShape { kv_heads, head_dim, block_tokens: BLOCK_TOKENS };
@@ -166,28 +193,31 @@ fn main() {
             // The writers alternate, so a change of the machine's speed hits all of them.
             let writers: Vec<Writer> =
                 kernels.iter().map(|&isa| Writer::Kernel(isa)).chain([Writer::ByElement]).collect();
-            let figures: Vec<[f64; 2]> = writers
+            let figures: Vec<[f64; 3]> = writers
                 .iter()
                 .map(|&writer| {
-                    [BLOCK_TOKENS, 1].map(|tokens| {
-                        if sixteen {
-                            measure(runs, shape, format, &mut pages, &k16, &v16, tokens, writer)
-                        } else {
-                            measure(runs, shape, format, &mut pages, &k, &v, tokens, writer)
-                        }
-                    })
+                    [(BLOCK_TOKENS, Order::PageByPage), (1, Order::PageByPage), (1, Order::InTurn)].map(
+                        |(tokens, order)| {
+                            if sixteen {
+                                measure(runs, shape, format, &mut pages, &k16, &v16, tokens, order, writer)
+                            } else {
+                                measure(runs, shape, format, &mut pages, &k, &v, tokens, order, writer)
+                            }
+                        },
+                    )
                 })
                 .collect();
             let scalar = figures[kernels.len() - 1];
-            for (writer, [whole, single]) in writers.iter().zip(&figures) {
+            for (writer, [whole, single, in_turn]) in writers.iter().zip(&figures) {
                 let who = match writer {
                     Writer::Kernel(isa) => isa.name(),
                     Writer::ByElement => "by element",
                 };
                 println!(
-                    "{name:<10} {label:<12} {who:<11} {whole:>10.3} {:>7.2}× {single:>10.3} {:>7.2}×",
+                    "{name:<10} {label:<12} {who:<11} {whole:>10.3} {:>7.2}× {single:>10.3} {:>7.2}× {in_turn:>10.3} {:>7.2}×",
                     whole / scalar[0],
-                    single / scalar[1]
+                    single / scalar[1],
+                    in_turn / scalar[2]
                 );
             }
         }
