@@ -465,11 +465,11 @@ pub fn growth_pct(start: u64, end: u64) -> f64 {
 /// first sample after a third of the chaos, and report the growth without judging it).
 pub const FULL_WARMUP: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// The most kvmmd's RSS (`VmRSS`) may grow: by its trend over the per-minute samples where there
+/// The most kvmmd's RSS (`VmRSS`) may grow: by its trend over the periodic samples where there
 /// are enough of them ([`trend_pct`]), else from the sample after the warm-up to the one at the end.
 pub const MAX_GROWTH_PCT: f64 = 5.0;
 
-/// Per-minute samples needed for [`trend_pct`]: six minutes of chaos.
+/// Samples needed for [`trend_pct`]: two minutes past the warm-up at the soak's one every 20 s.
 pub const TREND_SAMPLES: usize = 6;
 
 /// The growth in percent that a series of samples (oldest first) shows as a trend: from the
@@ -574,7 +574,7 @@ pub struct Report {
     /// kvmmd's memory after the warm-up and at the end, and the growth of its RSS and PSS.
     pub memory_start: Option<Memory>,
     pub memory_end: Option<Memory>,
-    /// kvmmd's memory once a minute during the chaos (seconds into it, and the sample; whatever
+    /// kvmmd's memory every 20 s after the warm-up (seconds into the chaos, and the sample; whatever
     /// sessions were attached): a leak climbs steadily, a warm-up levels off.
     pub memory_series: Vec<(f64, Memory)>,
     pub rss_growth_pct: Option<f64>,
@@ -608,7 +608,7 @@ impl Report {
             why.push(format!("{} clients ended unexpectedly", self.client_processes.unexpected));
         }
         let (growth, measure) = match self.rss_trend_pct {
-            Some(trend) => (Some(trend), "as a trend over the per-minute samples"),
+            Some(trend) => (Some(trend), "as a trend over the periodic samples"),
             None => (self.rss_growth_pct, "from the sample after the warm-up to the end"),
         };
         match (growth, self.memory_judged) {
@@ -978,7 +978,7 @@ mod tests {
         assert!(swing.passed, "the trend is judged where there is one: {:?}", swing.failures);
         let mut leak = Report { rss_growth_pct: Some(1.0), rss_trend_pct: Some(5.5), ..ok.clone() };
         leak.decide();
-        assert_eq!(leak.failures, ["kvmmd's RSS grew 5.50% as a trend over the per-minute samples (limit 5%)"]);
+        assert_eq!(leak.failures, ["kvmmd's RSS grew 5.50% as a trend over the periodic samples (limit 5%)"]);
         let mut smoke = Report { rss_growth_pct: Some(20.0), memory_judged: false, ..ok };
         smoke.decide();
         assert!(smoke.passed, "a smoke run's memory is reported, not judged: {:?}", smoke.failures);

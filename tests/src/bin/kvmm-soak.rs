@@ -27,10 +27,11 @@
 //! - **Memory**: kvmmd's RSS and PSS after the warm-up (30 s, or a third of a shorter run) and at
 //!   the end, each time with every slot's session attached and the chaos paused; the verdict takes
 //!   RSS (PSS moves with the clients' own mappings of the arena), and only after the full warm-up
-//!   (runs of 90 s or more; a smoke run reports it). RSS is also sampled once a minute, so a leak
-//!   shows as a climb and a warm-up as a level; from six samples on, the verdict judges their trend
-//!   instead (`kvmm_tests::soak::trend_pct`: the lowest of the last third against the highest of the
-//!   first), since two single samples can show a swing of about 6% as growth.
+//!   (runs of 90 s or more; a smoke run reports it). RSS is also sampled every 20 s after the
+//!   warm-up, so a leak shows as a climb and a warm-up as a level; from six samples on (a run of
+//!   2.5 minutes or more), the verdict judges their trend instead (`kvmm_tests::soak::trend_pct`:
+//!   the lowest of the last third against the highest of the first), since two single samples can
+//!   show a swing of about 6% as growth.
 //! - **End**: the clients detach, every tier must then be empty, and kvmmd must exit 0 on SIGTERM.
 //!
 //! The report (a table, or `--json`) gives actions by kind, checks, violations by kind with the
@@ -92,6 +93,8 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// How often a progress line goes to stderr.
 const PROGRESS_EVERY: Duration = Duration::from_secs(60);
+/// How often kvmmd's RSS is sampled for the trend, after the warm-up.
+const MEMORY_EVERY: Duration = Duration::from_secs(20);
 
 /// The geometry every client attaches with (tokens per page and head shape are the test client's
 /// defaults: 32, 3 KV heads × 64 dims, 9 query heads).
@@ -765,7 +768,14 @@ impl Soak {
         None
     }
 
-    /// A progress line on stderr, and a memory sample for the series.
+    /// A memory sample for the series, `chaos_started` being the time 0 of its labels.
+    fn sample_memory(&mut self, chaos_started: Instant) {
+        if let Some(m) = self.memory() {
+            self.memory_series.push((chaos_started.elapsed().as_secs_f64(), m));
+        }
+    }
+
+    /// A progress line on stderr.
     fn progress(&mut self, chaos_started: Instant) {
         let tally = lock(&self.shared.tally).clone();
         let done: u64 = self.actions.values().map(|t| t.done).sum();
@@ -781,9 +791,6 @@ impl Soak {
             tally.unexpected,
             memory.map_or("?".to_owned(), |m| m.rss_kib.to_string())
         );
-        if let Some(m) = memory {
-            self.memory_series.push((at, m));
-        }
     }
 }
 
@@ -867,13 +874,19 @@ fn run(cli: &Cli) -> anyhow::Result<Report> {
     let mut next_action = chaos_started + soak::action_interval(&mut soak.rng);
     let mut next_progress = chaos_started + PROGRESS_EVERY;
     let mut memory_start = None;
+    let mut next_memory = chaos_end;
     while Instant::now() < chaos_end && !soak.daemon_down {
         let now = Instant::now();
         if memory_start.is_none() && now >= chaos_started + warmup {
             memory_start = Some(soak.memory_with_every_client());
             next_check = Instant::now() + CHECK_INTERVAL;
             next_action = Instant::now() + soak::action_interval(&mut soak.rng);
+            next_memory = Instant::now() + MEMORY_EVERY;
             continue;
+        }
+        if now >= next_memory {
+            soak.sample_memory(chaos_started);
+            next_memory += MEMORY_EVERY;
         }
         if now >= next_check {
             soak.check();
@@ -891,7 +904,7 @@ fn run(cli: &Cli) -> anyhow::Result<Report> {
             soak.progress(chaos_started);
             next_progress += PROGRESS_EVERY;
         }
-        let wake = next_check.min(next_action).min(chaos_end);
+        let wake = next_check.min(next_action).min(next_memory).min(chaos_end);
         std::thread::sleep(wake.saturating_duration_since(Instant::now()).min(Duration::from_millis(200)));
     }
     let chaos_seconds = chaos_started.elapsed().as_secs_f64();
