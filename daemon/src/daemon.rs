@@ -14,7 +14,7 @@ use std::time::Instant;
 use kvmm_shm::fdpass::{FdRequest, PeerCred};
 use kvmm_shm::{ClientRegion, Geometry, Memfd, PageLocation, SessionTable, TableStatus};
 use kvmm_store::dram::DramPool;
-use kvmm_store::flash::{FlashFile, FlashSlot, FlashStats, RUN_BYTES};
+use kvmm_store::flash::{FlashFile, FlashStats, RUN_BYTES};
 use kvmm_store::io::{EngineKind, IoBuffers, probe};
 use kvmm_store::seal::SessionKey;
 use kvmm_store::tier::{Tier, TierKind, TierStats};
@@ -699,7 +699,9 @@ impl Daemon {
             let mut dropped_slots = Vec::new();
             let fitted = crate::migrate::evict::fit_quota(&mut core, session_id, blocks, &mut dropped_slots);
             if !dropped_slots.is_empty() {
-                MutexGuard::unlocked(&mut core, || discard_flash_slots(self.flash.as_ref(), session_id, dropped_slots));
+                MutexGuard::unlocked(&mut core, || {
+                    tiering::discard_flash_slots(self.flash.as_ref(), session_id, dropped_slots)
+                });
                 fitted?;
                 continue;
             }
@@ -818,7 +820,7 @@ impl Daemon {
         }
         report.device_bytes = s.pages.bytes();
         let uid = s.owner.uid;
-        MutexGuard::unlocked(&mut core, || discard_flash_slots(self.flash.as_ref(), session_id, flash_slots));
+        MutexGuard::unlocked(&mut core, || tiering::discard_flash_slots(self.flash.as_ref(), session_id, flash_slots));
         free_frames_paced(&mut core, uid, frames)?;
         if report.freed_pages > 0 {
             tracing::debug!(session = session_id, blocks, freed = report.freed_pages, "truncated");
@@ -1719,22 +1721,9 @@ fn destroy(
             Place::Flash(slot) => flash_slots.push(slot),
         }
     }
-    MutexGuard::unlocked(core, || discard_flash_slots(flash, id, flash_slots));
+    MutexGuard::unlocked(core, || tiering::discard_flash_slots(flash, id, flash_slots));
     free_frames_paced(core, s.owner.uid, to_zero)?;
     Ok(report)
-}
-
-/// Frees and punches out flash slots whose pages are gone for good (a destroyed session's, or pages
-/// given back). Called without the core lock: the flash lock's holder may be in the middle of a
-/// batch's I/O.
-fn discard_flash_slots(flash: Option<&Mutex<FlashFile>>, session: u64, slots: Vec<FlashSlot>) {
-    let (Some(flash), false) = (flash, slots.is_empty()) else { return };
-    let mut flash = flash.lock();
-    for slot in slots {
-        if let Err(e) = flash.discard(slot) {
-            tracing::warn!(session, error = %e, "a flash slot was freed but its blocks could not be punched out");
-        }
-    }
 }
 
 /// Frees `frames` of `uid`'s arena (which zeroes them), handing the core lock over between them

@@ -165,6 +165,7 @@ impl FlashFile {
             .thread_name(|i| format!("kvmm-flash-{i}"))
             .build()
             .map_err(|e| fail(format!("starting the flash I/O threads: {e}")))?;
+        let stats = TierStats { budget: capacity, ..TierStats::default() };
         Ok(FlashFile {
             file: File::from(fd),
             path: path.to_owned(),
@@ -173,8 +174,8 @@ impl FlashFile {
             buffers,
             slots: ExtentAllocator::with_align(capacity, IO_ALIGN as u64),
             counters: SlotCounters::new(TIER_FLASH, blocks),
-            stats: TierStats { budget: capacity, ..TierStats::default() },
-            published: FlashStats(Arc::new(Mutex::new(TierStats { budget: capacity, ..TierStats::default() }))),
+            stats,
+            published: FlashStats(Arc::new(Mutex::new(stats))),
             workers,
         })
     }

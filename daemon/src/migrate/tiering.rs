@@ -29,8 +29,8 @@
 //! 8 MiB write seals and writes for milliseconds), so a wait for it under the core lock would stop
 //! every client's requests for as long: flash slots given back under the core lock (pages
 //! promoted, destroyed, truncated, dropped, or orphaned by a move) are freed or punched out once
-//! the core lock is released ([`free_flash_slots`]), and `Status` reads the flash counters
-//! through their own handle ([`kvmm_store::flash::FlashStats`]).
+//! the core lock is released ([`free_flash_slots`], [`discard_flash_slots`]), and `Status` reads
+//! the flash counters through their own handle ([`kvmm_store::flash::FlashStats`]).
 //!
 //! Victims ([`pick_victims`]): full pages first; for a request that waits on the room ([`Need`])
 //! then empty pages (reserved by `Extend`) and last partly written tails, which the client faults
@@ -660,6 +660,19 @@ pub fn free_flash_slots(flash: &Mutex<FlashFile>, slots: Vec<FlashSlot>) {
     let mut flash = flash.lock();
     for slot in slots {
         flash.free(slot);
+    }
+}
+
+/// Frees and punches out flash slots whose pages are gone for good (a destroyed session's, or pages
+/// given back). Called without the core lock: the flash lock's holder may be in the middle of a
+/// batch's I/O.
+pub fn discard_flash_slots(flash: Option<&Mutex<FlashFile>>, session: u64, slots: Vec<FlashSlot>) {
+    let (Some(flash), false) = (flash, slots.is_empty()) else { return };
+    let mut flash = flash.lock();
+    for slot in slots {
+        if let Err(e) = flash.discard(slot) {
+            tracing::warn!(session, error = %e, "a flash slot was freed but its blocks could not be punched out");
+        }
     }
 }
 
