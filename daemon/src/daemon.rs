@@ -820,7 +820,7 @@ impl Daemon {
         }
         report.device_bytes = s.pages.bytes();
         let uid = s.owner.uid;
-        MutexGuard::unlocked(&mut core, || tiering::discard_flash_slots(self.flash.as_ref(), session_id, flash_slots));
+        discard_unlocked(&mut core, self.flash.as_ref(), session_id, flash_slots);
         free_frames_paced(&mut core, uid, frames)?;
         if report.freed_pages > 0 {
             tracing::debug!(session = session_id, blocks, freed = report.freed_pages, "truncated");
@@ -1721,9 +1721,23 @@ fn destroy(
             Place::Flash(slot) => flash_slots.push(slot),
         }
     }
-    MutexGuard::unlocked(core, || tiering::discard_flash_slots(flash, id, flash_slots));
+    discard_unlocked(core, flash, id, flash_slots);
     free_frames_paced(core, s.owner.uid, to_zero)?;
     Ok(report)
+}
+
+/// [`tiering::discard_flash_slots`] with the core lock released for it, when there is anything to
+/// discard: releasing it for nothing would let another request see a state the caller has not
+/// finished (a destroyed session's frames still reserved, not yet freed).
+fn discard_unlocked(
+    core: &mut MutexGuard<'_, Core>,
+    flash: Option<&Mutex<FlashFile>>,
+    session: u64,
+    slots: Vec<kvmm_store::flash::FlashSlot>,
+) {
+    if flash.is_some() && !slots.is_empty() {
+        MutexGuard::unlocked(core, || tiering::discard_flash_slots(flash, session, slots));
+    }
 }
 
 /// Frees `frames` of `uid`'s arena (which zeroes them), handing the core lock over between them
